@@ -1,0 +1,769 @@
+"""The Communicator and every collective algorithm, written once over the transport interface.
+
+Each public collective validates its arguments (raising ``TypeError``/``ValueError`` before
+anything is sent), takes the next sequence number of its group, computes its *signature* (what
+all ranks must agree on: name, dtype, shape, op, root, algorithm) and runs one algorithm:
+
+=================  ==========================================  ===============================
+collective         small messages (latency)                    large messages (bandwidth)
+=================  ==========================================  ===============================
+all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather
+reduce             binomial tree                               ring reduce-scatter + gather
+reduce_scatter     direct (one round)                          ring
+all_gather         direct (one round, W <= 4 by default)       ring
+broadcast          binomial tree                               pipelined chain
+gather / scatter   direct                                      direct
+all_to_all         pairwise exchange                           pairwise exchange
+barrier            dissemination                               -
+=================  ==========================================  ===============================
+
+Thresholds live in :mod:`asynccoll.tuning`. Algorithms talk to peers only through
+``_Call.send`` / ``_Call.recv``, so every backend runs exactly this code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+
+from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
+from .ops import ReduceOp, check_op, combine, finish
+from .transport.base import Transport, describe_sig
+from .tuning import Tuning
+from .wire import FrameHeader, FrameKind, array_view, dtype_code
+
+T = TypeVar("T")
+
+_MAX_TAG = (1 << 63) - 1
+
+
+# --------------------------------------------------------------------------------- helpers
+
+def _check_array(a: Any, what: str = "array", *, writable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, got {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise TypeError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
+    dtype_code(a.dtype)  # TypeError for unsupported dtypes
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{what} is read-only but this collective writes into it")
+    return a
+
+
+def _sig_array(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
+    return dtype_code(a.dtype), tuple(int(n) for n in a.shape)
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1)).cast("B")
+
+
+def _row_bounds(rows: int, row_size: int, parts: int) -> list[tuple[int, int]]:
+    """Element ranges of ``numpy.array_split(rows, parts)`` blocks of a flat array."""
+    base, extra = divmod(rows, parts)
+    bounds, start = [], 0
+    for j in range(parts):
+        n = (base + (1 if j < extra else 0)) * row_size
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+async def _concurrently(*aws: Awaitable[Any]) -> list[Any]:
+    """Run awaitables concurrently; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _pack_object(obj: Any) -> np.ndarray:
+    try:
+        data = msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"object is not msgpack-serialisable: {exc}") from exc
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _unpack_object(a: np.ndarray) -> Any:
+    return msgpack.unpackb(a.tobytes(), raw=False, strict_map_key=False)
+
+
+class _Call:
+    """One collective in flight: its sequence number and signature, and peer I/O by group rank."""
+
+    __slots__ = ("group", "rank", "ranks", "seq", "sig", "size", "t", "tuning")
+
+    def __init__(self, comm: Communicator, seq: int, sig: tuple[Any, ...]) -> None:
+        self.t = comm._transport
+        self.ranks = comm._ranks
+        self.group = comm._group
+        self.rank = comm._rank
+        self.size = len(comm._ranks)
+        self.seq = seq
+        self.sig = sig
+        self.tuning = comm.tuning
+
+    async def send(self, peer: int, step: int, arr: np.ndarray) -> None:
+        header = FrameHeader(group=self.group, seq=self.seq, step=step, src=self.t.rank,
+                             dtype=dtype_code(arr.dtype), shape=tuple(arr.shape), sig=self.sig)
+        await self.t.send(self.ranks[peer], FrameKind.DATA, header, _bytes_view(arr))
+
+    async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
+                   resize: bool = False) -> np.ndarray:
+        """Receive the frame of ``step`` from group rank ``peer``.
+
+        With ``into``, its data lands there and ``into`` is returned; if the sender's array had
+        another size and ``resize`` is set, a new array of the sender's shape is returned.
+        """
+        key = (self.ranks[peer], int(FrameKind.DATA), self.group, self.seq, step, 0)
+        view = _bytes_view(into) if into is not None else None
+        frame = await self.t.recv(key, view, self.sig)
+        h = frame.header
+        if h.sig != self.sig:  # the mailbox caught it already; never hand out such data
+            raise CollectiveError(f"collective mismatch: {describe_sig(h.sig)} "
+                                  f"vs {describe_sig(self.sig)}")
+        if into is not None and frame.payload is view:
+            return into
+        if into is not None and not resize:
+            raise CollectiveError(f"group rank {peer} sent {h.shape} where {into.shape} "
+                                  f"was expected")
+        assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
+        return array_view(frame.payload, h.dtype, h.shape)
+
+    async def exchange(self, dst: int, arr: np.ndarray, src: int, into: np.ndarray | None,
+                       step: int, *, resize: bool = False) -> np.ndarray:
+        """Send ``arr`` to ``dst`` while receiving from ``src`` (see :meth:`recv`)."""
+        _, got = await _concurrently(self.send(dst, step, arr),
+                                     self.recv(src, step, into, resize=resize))
+        return got  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------ algorithms
+
+async def _recursive_doubling(call: _Call, flat: np.ndarray, op: ReduceOp) -> None:
+    """All-reduce in place in ceil(log2 W) (+2) rounds; every rank ends bit-identical."""
+    w, r = call.size, call.rank
+    p = 1 << (w.bit_length() - 1)  # largest power of two <= w
+    extra = w - p
+    rounds = p.bit_length() - 1
+    if r >= p:  # fold: hand my data to a partner, get the result back
+        await call.send(r - p, 0, flat)
+        await call.recv(r - p, rounds + 1, flat)
+        return
+    scratch = np.empty_like(flat)
+    if r < extra:
+        combine(flat, await call.recv(r + p, 0, scratch), op)
+    for k in range(rounds):
+        partner = r ^ (1 << k)
+        combine(flat, await call.exchange(partner, flat, partner, scratch, k + 1), op)
+    if r < extra:
+        await call.send(r + p, rounds + 1, flat)
+
+
+async def _ring_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
+                               op: ReduceOp, step0: int, *, inplace: bool) -> np.ndarray:
+    """Ring reduce-scatter: returns block ``call.rank`` reduced over all ranks.
+
+    ``inplace``: partial sums are written into ``flat`` (which ends with garbage in the other
+    blocks); otherwise ``flat`` is left untouched and partial sums travel in two scratch blocks.
+    """
+    w, r = call.size, call.rank
+    left, right = (r - 1) % w, (r + 1) % w
+    width = max(stop - start for start, stop in bounds)
+    bufs = [np.empty(width, flat.dtype) for _ in range(1 if inplace else 2)]
+    start, stop = bounds[(r - 1) % w]
+    outgoing = flat[start:stop]
+    for s in range(w - 1):
+        start, stop = bounds[(r - s - 2) % w]
+        scratch = bufs[s % len(bufs)][: stop - start]
+        got = await call.exchange(right, outgoing, left, scratch, step0 + s)
+        if inplace:
+            combine(flat[start:stop], got, op)
+            outgoing = flat[start:stop]
+        else:
+            combine(got, flat[start:stop], op)
+            outgoing = got
+    return outgoing
+
+
+async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], step0: int) -> bool:
+    """Ring all-gather over ``blocks`` (block ``rank`` filled). Returns False if sizes differed,
+    in which case ``blocks`` holds the actual (differently sized) arrays."""
+    w, r = call.size, call.rank
+    left, right = (r - 1) % w, (r + 1) % w
+    even = True
+    for s in range(w - 1):
+        idx = (r - s - 1) % w
+        got = await call.exchange(right, blocks[(r - s) % w], left, blocks[idx], step0 + s,
+                                  resize=True)
+        if got is not blocks[idx]:
+            blocks[idx] = got
+            even = False
+    return even
+
+
+async def _direct_all_gather(call: _Call, blocks: list[np.ndarray]) -> bool:
+    w, r = call.size, call.rank
+    mine = blocks[r]
+    peers = [j for j in range(w) if j != r]
+    results = await _concurrently(*(call.send(j, 0, mine) for j in peers),
+                                  *(call.recv(j, 0, blocks[j], resize=True) for j in peers))
+    even = True
+    for j, got in zip(peers, results[len(peers):], strict=True):
+        if got is not blocks[j]:
+            blocks[j] = got
+            even = False
+    return even
+
+
+async def _binomial_broadcast(call: _Call, root: int, flat: np.ndarray | None) -> np.ndarray:
+    """Binomial-tree broadcast. Non-roots may pass ``flat=None`` to receive an unknown size."""
+    w, r = call.size, call.rank
+    vr = (r - root) % w
+    mask = 1
+    while mask < w:
+        if vr & mask:
+            got = await call.recv((vr - mask + root) % w, 0, flat, resize=flat is None)
+            flat = got
+            break
+        mask <<= 1
+    assert flat is not None
+    data = flat
+    sends = []
+    mask >>= 1
+    while mask > 0:
+        if vr + mask < w:
+            sends.append(call.send((vr + mask + root) % w, 0, data))
+        mask >>= 1
+    await _concurrently(*sends)
+    return data
+
+
+async def _chain_broadcast(call: _Call, root: int, flat: np.ndarray) -> None:
+    """Pipelined chain root -> root+1 -> ...: segment k is forwarded while k+1 arrives."""
+    w, r = call.size, call.rank
+    vr = (r - root) % w
+    prev, nxt = (r - 1) % w, (r + 1) % w
+    seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
+    nseg = max(1, math.ceil(flat.size / seg))
+    pending: asyncio.Future[None] | None = None
+    try:
+        for k in range(nseg):
+            part = flat[k * seg:(k + 1) * seg]
+            if vr > 0:
+                await call.recv(prev, k, part)
+            if vr < w - 1:
+                if pending is not None:
+                    await pending
+                pending = asyncio.ensure_future(call.send(nxt, k, part))
+        if pending is not None:
+            await pending
+    except BaseException:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        raise
+
+
+async def _binomial_reduce(call: _Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
+    """Binomial-tree reduce; only the root's ``flat`` is modified."""
+    w, r = call.size, call.rank
+    vr = (r - root) % w
+    work = flat
+    scratch: np.ndarray | None = None
+    mask = 1
+    while mask < w:
+        if vr & mask:
+            await call.send((vr - mask + root) % w, 0, work)
+            return
+        if vr + mask < w:
+            if scratch is None:
+                scratch = np.empty_like(flat)
+                if vr != 0:
+                    work = flat.copy()
+            combine(work, await call.recv((vr + mask + root) % w, 0, scratch), op)
+        mask <<= 1
+
+
+async def _ring_reduce(call: _Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
+    """Ring reduce-scatter, then every rank sends its reduced block to the root."""
+    w, r = call.size, call.rank
+    bounds = _row_bounds(flat.size, 1, w)
+    mine = await _ring_reduce_scatter(call, flat, bounds, op, 0, inplace=False)
+    if r != root:
+        await call.send(root, w, mine)
+        return
+    start, stop = bounds[r]
+    flat[start:stop] = mine
+    await _concurrently(*(call.recv(j, w, flat[bounds[j][0]:bounds[j][1]])
+                          for j in range(w) if j != root))
+
+
+async def _direct_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
+                                 op: ReduceOp) -> np.ndarray:
+    w, r = call.size, call.rank
+    start, stop = bounds[r]
+    out = flat[start:stop].copy()
+    peers = [j for j in range(w) if j != r]
+    scratch = [np.empty(stop - start, flat.dtype) for _ in peers]
+    results = await _concurrently(
+        *(call.send(j, 0, flat[bounds[j][0]:bounds[j][1]]) for j in peers),
+        *(call.recv(j, 0, buf) for j, buf in zip(peers, scratch, strict=True)))
+    for got in results[len(peers):]:
+        combine(out, got, op)
+    return out
+
+
+async def _dissemination_barrier(call: _Call) -> None:
+    w, r = call.size, call.rank
+    token = np.empty(0, np.uint8)
+    k, dist = 0, 1
+    while dist < w:
+        await call.exchange((r + dist) % w, token, (r - dist) % w, None, k)
+        k, dist = k + 1, dist * 2
+
+
+# ----------------------------------------------------------------------------- communicator
+
+class Communicator:
+    """A group of ranks that run collectives together.
+
+    Obtain one from :func:`asynccoll.init`, :func:`asynccoll.run_local` or :meth:`new_group`.
+    All ranks of a group call the same collectives in the same order; several may be in flight
+    at once (they are matched by sequence number, never mixed).
+
+    Attributes:
+        timeout: seconds a collective may make no progress before it raises
+            :class:`~asynccoll.CollectiveTimeout` (and breaks the communicator).
+        tuning: algorithm thresholds (:class:`~asynccoll.tuning.Tuning`); equal on all ranks.
+    """
+
+    def __init__(self, transport: Transport, *, ranks: Sequence[int] | None = None,
+                 group: int = 0, timeout: float = 60.0, tuning: Tuning | None = None,
+                 backend: str = "memory", owns_transport: bool = True) -> None:
+        self._transport = transport
+        self._ranks = tuple(ranks) if ranks is not None else tuple(range(transport.world_size))
+        self._rank = self._ranks.index(transport.rank)
+        self._group = group
+        self._seq = 0
+        self._p2p_sent: dict[tuple[int, int], int] = {}
+        self._p2p_received: dict[tuple[int, int], int] = {}
+        self._children = 0
+        self._closed = False
+        self._owns_transport = owns_transport
+        self.timeout = float(timeout)
+        self.tuning = tuning if tuning is not None else Tuning()
+        self.backend = backend
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group (0 .. world_size-1)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self._ranks)
+
+    @property
+    def transport(self) -> Transport:
+        """The transport this communicator sends through (shared with its subgroups)."""
+        return self._transport
+
+    def __repr__(self) -> str:
+        return (f"<Communicator {self.backend} rank {self._rank}/{self.world_size}"
+                f" group {self._group:#x}>")
+
+    # -- machinery ------------------------------------------------------------------------
+
+    def _check_rank(self, value: Any, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{what} must be an int, got {value!r}")
+        if not 0 <= value < self.world_size:
+            raise ValueError(f"{what}={value} is out of range for world_size {self.world_size}")
+        return int(value)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CommunicatorClosedError("the communicator was closed")
+        self._transport.check_usable()
+
+    async def _run(self, sig: tuple[Any, ...], body: Callable[[_Call], Awaitable[T]]) -> T:
+        """Run one collective: sequence number, signature check, timeout, failure spreading."""
+        self._check_open()
+        seq = self._seq
+        self._seq += 1
+        call = _Call(self, seq, sig)
+        if self.world_size == 1:
+            return await body(call)
+        t = self._transport
+        t.mailbox.begin(self._group, seq, sig)
+        name = describe_sig(sig)
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await body(call)
+        except TimeoutError:
+            err = CollectiveTimeout(f"{name} on group rank {self._rank} made no progress "
+                                    f"within {self.timeout:g} s")
+            t.abort(err)
+            raise err from None
+        except asyncio.CancelledError:
+            t.abort(CollectiveError(f"{name} was cancelled on group rank {self._rank}"))
+            raise
+        except CollectiveError as exc:
+            t.abort(exc)
+            raise
+        except Exception as exc:
+            t.abort(CollectiveError(f"{name} failed on group rank {self._rank}: {exc!r}"))
+            raise
+        finally:
+            t.mailbox.end(self._group, seq)
+
+    # -- collectives ----------------------------------------------------------------------
+
+    async def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        """Overwrite ``array`` on every rank with root's ``array``; returns ``array``.
+
+        Raises:
+            CollectiveError: ranks passed different shapes/dtypes/roots (and subclasses for
+                lost peers and timeouts). ``array`` then holds undefined values on non-roots.
+        """
+        a = _check_array(array, writable=True)
+        root = self._check_rank(root, "root")
+        algo = self.tuning.broadcast(a.nbytes, self.world_size)
+
+        async def body(call: _Call) -> np.ndarray:
+            if algo == "chain":
+                await _chain_broadcast(call, root, a.reshape(-1))
+            else:
+                await _binomial_broadcast(call, root, a.reshape(-1))
+            return a
+
+        return await self._run(("broadcast", *_sig_array(a), root, algo), body)
+
+    async def reduce(self, array: np.ndarray, root: int = 0, op: ReduceOp = ReduceOp.SUM
+                     ) -> np.ndarray | None:
+        """Reduce ``array`` over all ranks onto ``root``, in place there.
+
+        Returns ``array`` on root, ``None`` elsewhere (where ``array`` is left unchanged).
+        """
+        a = _check_array(array, writable=self._rank == root)
+        root = self._check_rank(root, "root")
+        op = check_op(op, a.dtype)
+        algo = self.tuning.reduce(a.nbytes, self.world_size)
+
+        async def body(call: _Call) -> np.ndarray | None:
+            flat = a.reshape(-1)
+            if algo == "ring" and call.size > 1:
+                await _ring_reduce(call, root, flat, op)
+            else:
+                await _binomial_reduce(call, root, flat, op)
+            if call.rank != root:
+                return None
+            finish(a, op, call.size)
+            return a
+
+        return await self._run(("reduce", *_sig_array(a), op.value, root, algo), body)
+
+    async def all_reduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+        """Reduce ``array`` over all ranks, in place on every rank; returns ``array``.
+
+        Every rank ends with bit-identical values.
+
+        Raises:
+            TypeError: unsupported/non-contiguous array, or an op that does not fit the dtype.
+            CollectiveError: ranks passed different shapes/dtypes/ops; a peer was lost
+                (PeerLostError) or no progress was made (CollectiveTimeout). ``array`` then
+                holds undefined values.
+        """
+        a = _check_array(array, writable=True)
+        op = check_op(op, a.dtype)
+        algo = self.tuning.all_reduce(a.nbytes, self.world_size)
+
+        async def body(call: _Call) -> np.ndarray:
+            flat = a.reshape(-1)
+            if call.size > 1:
+                if algo == "ring":
+                    bounds = _row_bounds(flat.size, 1, call.size)
+                    await _ring_reduce_scatter(call, flat, bounds, op, 0, inplace=True)
+                    blocks = [flat[s:e] for s, e in bounds]
+                    await _ring_all_gather(call, blocks, call.size - 1)
+                else:
+                    await _recursive_doubling(call, flat, op)
+            finish(a, op, call.size)
+            return a
+
+        return await self._run(("all_reduce", *_sig_array(a), op.value, algo), body)
+
+    async def reduce_scatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+        """Reduce ``array`` over all ranks and return this rank's block of the result.
+
+        Blocks are split along axis 0 as ``numpy.array_split(array, world_size)`` splits them.
+        ``array`` is not modified.
+        """
+        a = _check_array(array)
+        if a.ndim == 0:
+            raise ValueError("reduce_scatter needs an array with at least one dimension")
+        op = check_op(op, a.dtype)
+        algo = self.tuning.reduce_scatter(a.nbytes, self.world_size)
+        row = math.prod(a.shape[1:])
+
+        async def body(call: _Call) -> np.ndarray:
+            flat = a.reshape(-1)
+            bounds = _row_bounds(a.shape[0], row, call.size)
+            if call.size == 1:
+                out = flat.copy()
+            elif algo == "ring":
+                out = (await _ring_reduce_scatter(call, flat, bounds, op, 0, inplace=False)).copy()
+            else:
+                out = await _direct_reduce_scatter(call, flat, bounds, op)
+            finish(out, op, call.size)
+            first, last = _row_bounds(a.shape[0], 1, call.size)[call.rank]
+            return out.reshape(last - first, *a.shape[1:])
+
+        return await self._run(("reduce_scatter", *_sig_array(a), op.value, algo), body)
+
+    async def _gather_blocks(self, call: _Call, a: np.ndarray, algo: str) -> np.ndarray | list[np.ndarray]:
+        """All-gather core: returns the concatenated array when all blocks had ``a``'s shape,
+        else the list of blocks."""
+        w, r = call.size, call.rank
+        n = a.shape[0]
+        out = np.empty((w * n, *a.shape[1:]), a.dtype)
+        blocks = [out[j * n:(j + 1) * n] for j in range(w)]
+        blocks[r][...] = a
+        if w == 1:
+            return out
+        if algo == "ring":
+            even = await _ring_all_gather(call, blocks, 0)
+        else:
+            even = await _direct_all_gather(call, blocks)
+        return out if even else blocks
+
+    async def all_gather(self, array: np.ndarray) -> np.ndarray:
+        """Every rank's ``array`` concatenated along axis 0, in rank order (a new array).
+
+        Axis-0 lengths may differ between ranks; dtypes and the other axes must agree.
+        """
+        a = _check_array(array)
+        if a.ndim == 0:
+            raise ValueError("all_gather needs an array with at least one dimension")
+        algo = self.tuning.all_gather(a.nbytes, self.world_size)
+        dtype, shape = _sig_array(a)
+
+        async def body(call: _Call) -> np.ndarray:
+            got = await self._gather_blocks(call, a, algo)
+            return got if isinstance(got, np.ndarray) else np.concatenate(got)
+
+        return await self._run(("all_gather", dtype, shape[1:], algo), body)
+
+    async def gather(self, array: np.ndarray, root: int = 0) -> list[np.ndarray] | None:
+        """On root, the list of every rank's ``array`` in rank order; ``None`` elsewhere."""
+        a = _check_array(array)
+        root = self._check_rank(root, "root")
+
+        async def body(call: _Call) -> list[np.ndarray] | None:
+            if call.rank != root:
+                await call.send(root, 0, a)
+                return None
+            out = [a.copy() if j == root else np.empty_like(a) for j in range(call.size)]
+            await _concurrently(*(call.recv(j, 0, out[j]) for j in range(call.size) if j != root))
+            return out
+
+        return await self._run(("gather", *_sig_array(a), root), body)
+
+    async def scatter(self, arrays: Sequence[np.ndarray] | None, root: int = 0) -> np.ndarray:
+        """The array that root put at this rank's position of ``arrays`` (a new array).
+
+        ``arrays`` (``world_size`` arrays, each any shape) is read on root only.
+        """
+        root = self._check_rank(root, "root")
+        items: list[np.ndarray] = []
+        if self._rank == root:
+            if arrays is None or len(arrays) != self.world_size:
+                raise ValueError(f"scatter on root needs a sequence of {self.world_size} arrays")
+            items = [_check_array(x, f"arrays[{j}]") for j, x in enumerate(arrays)]
+
+        async def body(call: _Call) -> np.ndarray:
+            if call.rank == root:
+                await _concurrently(*(call.send(j, 0, items[j])
+                                      for j in range(call.size) if j != root))
+                return items[root].copy()
+            return await call.recv(root, 0)
+
+        return await self._run(("scatter", root), body)
+
+    async def all_to_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Element ``j`` of the result is what rank ``j`` put at position ``rank`` of its ``arrays``."""
+        if arrays is None or len(arrays) != self.world_size:
+            raise ValueError(f"all_to_all needs a sequence of {self.world_size} arrays")
+        items = [_check_array(x, f"arrays[{j}]") for j, x in enumerate(arrays)]
+
+        async def body(call: _Call) -> list[np.ndarray]:
+            w, r = call.size, call.rank
+            out: list[np.ndarray] = [np.empty(0)] * w
+            out[r] = items[r].copy()
+            for k in range(1, w):
+                dst, src = (r + k) % w, (r - k) % w
+                out[src] = await call.exchange(dst, items[dst], src, None, k)
+            return out
+
+        return await self._run(("all_to_all",), body)
+
+    async def barrier(self) -> None:
+        """Return once every rank of the group has entered the barrier."""
+        async def body(call: _Call) -> None:
+            await _dissemination_barrier(call)
+
+        await self._run(("barrier",), body)
+
+    # -- point to point -------------------------------------------------------------------
+
+    def _check_tag(self, tag: Any) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, int | np.integer) or not 0 <= tag <= _MAX_TAG:
+            raise ValueError(f"tag must be an int in [0, 2**63), got {tag!r}")
+        return int(tag)
+
+    async def send(self, array: np.ndarray, dst: int, tag: int = 0) -> None:
+        """Send ``array`` to group rank ``dst``; returns when ``array`` may be reused.
+
+        Messages with the same (dst, tag) arrive in the order they were sent.
+        """
+        a = _check_array(array)
+        dst = self._check_rank(dst, "dst")
+        tag = self._check_tag(tag)
+        if dst == self._rank:
+            raise ValueError("send to self is not supported")
+        self._check_open()
+        n = self._p2p_sent.get((dst, tag), 0)
+        self._p2p_sent[(dst, tag)] = n + 1
+        t = self._transport
+        header = FrameHeader(group=self._group, seq=n, step=0, tag=tag, src=t.rank,
+                             dtype=dtype_code(a.dtype), shape=tuple(a.shape))
+        try:
+            async with asyncio.timeout(self.timeout):
+                await t.send(self._ranks[dst], FrameKind.P2P, header, _bytes_view(a))
+        except TimeoutError:
+            err = CollectiveTimeout(f"send to group rank {dst} made no progress within "
+                                    f"{self.timeout:g} s")
+            t.abort(err)
+            raise err from None
+        except asyncio.CancelledError:
+            t.abort(CollectiveError(f"send on group rank {self._rank} was cancelled"))
+            raise
+
+    async def recv(self, src: int, tag: int = 0) -> np.ndarray:
+        """Receive the next array group rank ``src`` sent with ``tag`` (a new array)."""
+        src = self._check_rank(src, "src")
+        tag = self._check_tag(tag)
+        if src == self._rank:
+            raise ValueError("recv from self is not supported")
+        self._check_open()
+        n = self._p2p_received.get((src, tag), 0)
+        self._p2p_received[(src, tag)] = n + 1
+        t = self._transport
+        key = (self._ranks[src], int(FrameKind.P2P), self._group, n, 0, tag)
+        try:
+            async with asyncio.timeout(self.timeout):
+                frame = await t.recv(key)
+        except TimeoutError:
+            err = CollectiveTimeout(f"recv from group rank {src} (tag {tag}) got nothing "
+                                    f"within {self.timeout:g} s")
+            t.abort(err)
+            raise err from None
+        except asyncio.CancelledError:
+            t.abort(CollectiveError(f"recv on group rank {self._rank} was cancelled"))
+            raise
+        h = frame.header
+        assert h.dtype is not None and h.shape is not None
+        return array_view(frame.payload, h.dtype, h.shape)
+
+    # -- objects --------------------------------------------------------------------------
+
+    async def broadcast_object(self, obj: Any = None, root: int = 0) -> Any:
+        """Root's ``obj`` on every rank (msgpack-serialisable; tuples come back as lists)."""
+        root = self._check_rank(root, "root")
+        data = _pack_object(obj) if self._rank == root else None
+
+        async def body(call: _Call) -> Any:
+            if call.size == 1:
+                return _unpack_object(data)  # type: ignore[arg-type]
+            got = await _binomial_broadcast(call, root, data)
+            return _unpack_object(got)
+
+        return await self._run(("broadcast_object", root), body)
+
+    async def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (msgpack-serialisable)."""
+        data = _pack_object(obj)
+        algo = self.tuning.all_gather(0, self.world_size)
+
+        async def body(call: _Call) -> list[Any]:
+            got = await self._gather_blocks(call, data, algo)
+            blocks = list(got.reshape(call.size, -1)) if isinstance(got, np.ndarray) else got
+            return [_unpack_object(b) for b in blocks]
+
+        return await self._run(("all_gather_object", algo), body)
+
+    # -- groups and lifetime --------------------------------------------------------------
+
+    async def new_group(self, ranks: Sequence[int]) -> Communicator | None:
+        """A communicator over ``ranks`` (renumbered 0..k-1 in the given order).
+
+        Called by every rank of this group with the same ``ranks``; returns ``None`` on ranks
+        that are not members. The new group has its own sequence numbers, so its collectives
+        never mix with this group's.
+        """
+        members = [self._check_rank(r, "group member") for r in ranks]
+        if not members:
+            raise ValueError("new_group needs at least one rank")
+        if len(set(members)) != len(members):
+            raise ValueError(f"new_group ranks must be distinct, got {members}")
+        digest = np.frombuffer(hashlib.sha256(msgpack.packb(members)).digest(), np.uint8)
+        child = self._children
+        self._children += 1
+        algo = self.tuning.all_gather(0, self.world_size)
+
+        async def body(call: _Call) -> np.ndarray | list[np.ndarray]:
+            return await self._gather_blocks(call, digest, algo)
+
+        got = await self._run(("new_group", child, algo), body)
+        digests = list(got.reshape(self.world_size, -1)) if isinstance(got, np.ndarray) else got
+        if any(not np.array_equal(d, digest) for d in digests):
+            raise CollectiveError("new_group: ranks passed different member lists")
+        gid = int.from_bytes(hashlib.blake2b(f"{self._group}/{child}".encode(),
+                                             digest_size=8).digest(), "big") >> 1
+        if self._rank not in members:
+            return None
+        return Communicator(self._transport, ranks=[self._ranks[m] for m in members], group=gid,
+                            timeout=self.timeout, tuning=self.tuning, backend=self.backend,
+                            owns_transport=False)
+
+    async def close(self) -> None:
+        """Close the communicator (and, for a world communicator, its connections). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_transport:
+            await self._transport.close()
+
+    async def __aenter__(self) -> Communicator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["Communicator"]

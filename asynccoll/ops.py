@@ -1,0 +1,60 @@
+"""Reduction operators: which dtypes they accept and how they combine arrays in place."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+
+class ReduceOp(enum.Enum):
+    """How a reducing collective combines the ranks' arrays, element by element."""
+
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"  #: float and complex dtypes only
+    BAND = "band"  #: integer and bool dtypes only
+    BOR = "bor"
+    BXOR = "bxor"
+
+
+_UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.AVG: np.add,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
+
+def check_op(op: Any, dtype: np.dtype[Any]) -> ReduceOp:
+    """Validate ``op`` for ``dtype``; return it as a :class:`ReduceOp`.
+
+    Raises:
+        TypeError: ``op`` is not a ReduceOp, or does not fit the dtype.
+    """
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be an asynccoll.ReduceOp, got {op!r}")
+    kind = dtype.kind
+    if op is ReduceOp.AVG and kind not in "fc":
+        raise TypeError(f"ReduceOp.AVG needs a float or complex dtype, got {dtype}")
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and kind not in "biu":
+        raise TypeError(f"ReduceOp.{op.name} needs an integer or bool dtype, got {dtype}")
+    return op
+
+
+def combine(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
+    """``dst = dst (op) src``, in place, no temporary."""
+    _UFUNCS[op](dst, src, out=dst)
+
+
+def finish(a: np.ndarray, op: ReduceOp, n: int) -> None:
+    """Last step of a reduction over ``n`` ranks (divides by ``n`` for AVG)."""
+    if op is ReduceOp.AVG and n > 1:
+        np.divide(a, n, out=a)

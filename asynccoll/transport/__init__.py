@@ -1,0 +1,5 @@
+"""Transports move frames between ranks; see :mod:`asynccoll.transport.base`."""
+
+from .base import Key, Mailbox, Transport
+
+__all__ = ["Key", "Mailbox", "Transport"]

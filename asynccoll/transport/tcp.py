@@ -1,0 +1,563 @@
+"""TCP transport: authenticated peer-to-peer connections over asyncio (uvloop when installed).
+
+Each rank listens on a port it reports to the rendezvous. A rank sends to a peer over the
+connection it dialled itself (so no two ranks ever race to create "the" connection of a pair)
+and receives on the connections its peers dialled. Ring neighbours dial at start-up; other
+pairs on first use.
+
+Reading is zero-copy for posted receives: :class:`~asynccoll.wire.BufferedFrameReader` asks the
+mailbox for the buffer a collective posted for the frame's key and the socket reads straight
+into it. Writing hands ``[prefix+header, memoryview(payload)]`` to ``writelines`` and, because
+the event loop may keep a reference to the payload until the kernel took it, ``send`` returns
+only once the connection's write buffer has drained.
+
+Failures: a connection of an authenticated peer that ends without a BYE frame means the peer
+died; the world is aborted with :class:`~asynccoll.errors.PeerLostError` naming it and every
+rank is told (ABORT frames), so nobody waits for a timeout. A connection that fails the
+handshake or breaks the protocol before authenticating is closed and logged; the world goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from ..collectives import Communicator
+from ..errors import (
+    AuthenticationError,
+    CollectiveError,
+    PeerLostError,
+    ProtocolError,
+)
+from ..handshake import ClientHandshake, ServerHandshake
+from ..tuning import Tuning
+from ..wire import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    BufferedFrameReader,
+    Frame,
+    FrameHeader,
+    FrameKind,
+    encode_frame_bytes,
+    encode_head,
+)
+from .base import Transport, frame_key
+
+log = logging.getLogger("asynccoll.transport.tcp")
+
+HANDSHAKE_TIMEOUT = 5.0
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def _tune_socket(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One TCP connection between two ranks, incoming (we accepted) or outgoing (we dialled)."""
+
+    def __init__(self, owner: TcpTransport, *, dst: int | None = None) -> None:
+        self.owner = owner
+        self.outgoing = dst is not None
+        self.peer: int | None = dst
+        self.transport: asyncio.Transport | None = None
+        self.authenticated = False
+        self.ready: asyncio.Future[None] = owner.loop.create_future()
+        self.closed = False
+        self.graceful = False
+        self._client: ClientHandshake | None = None
+        self._server: ServerHandshake | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._paused = False
+        self.reader = BufferedFrameReader(max_payload=0)
+        self._client_sent_proof = False
+
+    # -- asyncio callbacks ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        _tune_socket(transport.get_extra_info("socket"))
+        # pause as soon as anything is buffered, resume when everything reached the kernel:
+        # the loop may hold references to payload memory until then
+        transport.set_write_buffer_limits(high=0, low=0)
+        owner = self.owner
+        self._timer = owner.loop.call_later(owner.handshake_timeout, self._handshake_expired)
+        if self.outgoing:
+            self._client = ClientHandshake(owner.token, role="peer", rank=owner.rank, job=owner.job)
+            transport.write(encode_frame_bytes(self._client.hello()))
+        else:
+            self._server = ServerHandshake(owner.token, job=owner.job)
+            owner._incoming.add(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            frames = self.reader.buffer_updated(nbytes)
+            for frame in frames:
+                self._on_frame(frame)
+        except (ProtocolError, AuthenticationError) as exc:
+            self._protocol_failure(exc)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"connection closed during handshake: {exc}"))
+            self.ready.exception()  # mark retrieved; the dialler reports it
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_result(None)
+        self._drain_waiters.clear()
+        self.owner._connection_lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_result(None)
+        self._drain_waiters.clear()
+
+    # -- frames ---------------------------------------------------------------------------
+
+    def _on_frame(self, frame: Frame) -> None:
+        if not self.authenticated:
+            self._handshake_step(frame)
+            return
+        kind = frame.kind
+        owner = self.owner
+        if kind in (FrameKind.DATA, FrameKind.P2P):
+            owner.mailbox.deliver(frame_key(kind, frame.header), frame)
+        elif kind == FrameKind.ABORT:
+            owner._on_abort_frame(frame)
+        elif kind == FrameKind.BYE:
+            self.graceful = True
+        else:
+            raise ProtocolError(f"unexpected {kind.name} frame on an established connection")
+
+    def _sink(self, kind: FrameKind, header: FrameHeader, nbytes: int) -> memoryview | None:
+        if header.src != self.peer:
+            raise ProtocolError(f"frame claims source rank {header.src} on the connection of "
+                                f"rank {self.peer}")
+        if self.outgoing and kind not in (FrameKind.ABORT, FrameKind.BYE):
+            raise ProtocolError(f"unexpected {kind.name} frame on an outgoing connection")
+        if kind not in (FrameKind.DATA, FrameKind.P2P):
+            return None
+        mailbox = self.owner.mailbox
+        if not mailbox.check(kind, header):
+            return None
+        return mailbox.claim(frame_key(kind, header), nbytes)
+
+    def _handshake_step(self, frame: Frame) -> None:
+        assert self.transport is not None
+        owner = self.owner
+        if self._client is not None:
+            if not self._client_sent_proof:
+                self.transport.write(encode_frame_bytes(self._client.on_challenge(frame)))
+                self._client_sent_proof = True
+                return
+            self._client.on_result(frame)
+            self._established()
+            return
+        assert self._server is not None
+        if self._server.peer_role is None:
+            self.transport.write(encode_frame_bytes(self._server.on_hello(frame)))
+            return
+        reply = self._server.on_proof(frame)
+        peer = self._server.peer_rank
+        if self._server.accepted and (self._server.peer_role != "peer" or peer is None
+                                      or not 0 <= peer < owner.world_size or peer == owner.rank):
+            reply = self._server.reject_frame(f"rank {peer} is not a peer of this world")
+        self.transport.write(encode_frame_bytes(reply))
+        if not self._server.accepted:
+            log.warning("rank %d: rejected a connection from %s: %s", owner.rank,
+                        self._peername(), self._server.reason)
+            self._close()
+            return
+        self.peer = peer
+        self._established()
+
+    def _established(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.authenticated = True
+        self.reader.max_payload = self.owner.max_payload
+        self.reader.sink = self._sink
+        log.debug("rank %d: %s connection with rank %s established", self.owner.rank,
+                  "outgoing" if self.outgoing else "incoming", self.peer)
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    def _handshake_expired(self) -> None:
+        self._timer = None
+        if not self.authenticated:
+            log.warning("rank %d: dropped %s: handshake not finished within %.1f s",
+                        self.owner.rank, self._peername(), self.owner.handshake_timeout)
+            if not self.ready.done():
+                self.ready.set_exception(TimeoutError("handshake timed out"))
+                self.ready.exception()
+            self._close()
+
+    def _protocol_failure(self, exc: Exception) -> None:
+        if self.authenticated:
+            log.warning("rank %d: rank %s broke the protocol: %s", self.owner.rank, self.peer, exc)
+            self.owner.abort(PeerLostError(f"world rank {self.peer} sent an invalid frame: {exc}",
+                                           rank=self.peer))
+        else:
+            log.warning("rank %d: dropped %s: %s", self.owner.rank, self._peername(), exc)
+            if not self.ready.done():
+                self.ready.set_exception(exc)
+                self.ready.exception()
+        self._close()
+
+    # -- writing --------------------------------------------------------------------------
+
+    def write(self, head: bytes, payload: memoryview | None) -> None:
+        assert self.transport is not None
+        if payload is not None and payload.nbytes:
+            self.transport.writelines([head, payload])
+        else:
+            self.transport.write(head)
+
+    async def drained(self) -> None:
+        """Wait until everything written reached the kernel (or the connection is gone)."""
+        while self._paused and not self.closed:
+            fut = self.owner.loop.create_future()
+            self._drain_waiters.append(fut)
+            await fut
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    def _abort(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+
+    def _peername(self) -> str:
+        if self.transport is None:
+            return "?"
+        peer = self.transport.get_extra_info("peername")
+        return f"{peer[0]}:{peer[1]}" if peer else "?"
+
+
+class TcpTransport(Transport):
+    """The TCP transport of one rank. Create with :meth:`start`."""
+
+    def __init__(self, rank: int, world_size: int, *, token: str | bytes | None = None,
+                 job: str = "", max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        super().__init__(rank, world_size)
+        self.loop = asyncio.get_running_loop()
+        self.token = token
+        self.job = job
+        self.max_payload = max_payload
+        self.handshake_timeout = handshake_timeout
+        self.addresses: dict[int, tuple[str, int]] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._out: dict[int, _Connection] = {}
+        self._dialing: dict[int, asyncio.Future[_Connection]] = {}
+        self._incoming: set[_Connection] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._on_close: list[Callable[[], Any]] = []
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Start accepting peer connections; returns the bound (host, port)."""
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True)
+        sockname = self._server.sockets[0].getsockname()
+        return sockname[0], sockname[1]
+
+    # -- sending --------------------------------------------------------------------------
+
+    async def _connection(self, dst: int) -> _Connection:
+        conn = self._out.get(dst)
+        if conn is not None and not conn.closed:
+            return conn
+        dialing = self._dialing.get(dst)
+        if dialing is None:
+            dialing = asyncio.ensure_future(self._dial(dst))
+            self._dialing[dst] = dialing
+            dialing.add_done_callback(lambda _f, d=dst: self._dialing.pop(d, None))
+        return await asyncio.shield(dialing)
+
+    async def _dial(self, dst: int) -> _Connection:
+        if dst in self.mailbox._lost:
+            raise self.mailbox._lost[dst]
+        try:
+            host, port = self.addresses[dst]
+        except KeyError:
+            raise CollectiveError(f"no address known for world rank {dst}") from None
+        try:
+            _, conn = await asyncio.wait_for(self.loop.create_connection(
+                lambda: _Connection(self, dst=dst), host, port), self.handshake_timeout)
+            await asyncio.wait_for(asyncio.shield(conn.ready), self.handshake_timeout)
+        except (OSError, ConnectionError, TimeoutError) as exc:
+            raise PeerLostError(f"cannot connect to world rank {dst} at {host}:{port}: {exc}",
+                                rank=dst) from None
+        except AuthenticationError as exc:
+            raise CollectiveError(f"world rank {dst} at {host}:{port} refused us: {exc}") from None
+        self._out[dst] = conn
+        return conn
+
+    async def connect(self, dst: int) -> None:
+        """Open the connection to ``dst`` now (ring neighbours do at start-up)."""
+        await self._connection(dst)
+
+    async def send(self, dst: int, kind: FrameKind, header: FrameHeader, payload: Any) -> None:
+        self.check_usable()
+        view = memoryview(payload).cast("B") if payload is not None else None
+        n = view.nbytes if view is not None else 0
+        head = encode_head(kind, header, n)
+        conn = self._out.get(dst)
+        if conn is None or conn.closed:
+            conn = await self._connection(dst)
+        conn.write(head, view)
+        self.bytes_sent += n
+        if conn._paused:
+            await conn.drained()
+        if conn.closed and not conn.graceful:
+            raise self.mailbox._lost.get(dst) or PeerLostError(
+                f"connection to world rank {dst} was lost while sending", rank=dst)
+        self.check_usable()
+
+    # -- failures -------------------------------------------------------------------------
+
+    def _connection_lost(self, conn: _Connection, exc: Exception | None) -> None:
+        self._incoming.discard(conn)
+        if conn.outgoing and self._out.get(conn.peer) is conn:  # type: ignore[arg-type]
+            del self._out[conn.peer]  # type: ignore[arg-type]
+        if not conn.authenticated or self._closed or conn.peer is None:
+            return
+        peer = conn.peer
+        if conn.graceful:
+            log.debug("rank %d: rank %d closed its communicator", self.rank, peer)
+            self.mailbox.peer_lost(peer, PeerLostError(
+                f"world rank {peer} has closed its communicator", rank=peer))
+            return
+        reason = f": {exc}" if exc else ""
+        log.warning("rank %d: lost connection to rank %d%s", self.rank, peer, reason)
+        err = PeerLostError(f"lost the connection to world rank {peer}{reason}", rank=peer)
+        self.mailbox.peer_lost(peer, err)
+        self.abort(err)
+
+    def _notify_abort(self, frame: Frame) -> None:
+        data = encode_frame_bytes(frame)
+        for dst in range(self.world_size):
+            if dst == self.rank or dst in self.mailbox._lost:
+                continue
+            conn = self._out.get(dst)
+            if conn is not None and not conn.closed:
+                conn.write(data, None)
+            elif dst in self.addresses:
+                self._spawn(self._send_abort(dst, data))
+
+    async def _send_abort(self, dst: int, data: bytes) -> None:
+        try:
+            conn = await asyncio.wait_for(self._connection(dst), self.handshake_timeout)
+            conn.write(data, None)
+        except (CollectiveError, OSError, TimeoutError) as exc:
+            log.debug("rank %d: could not tell rank %d about the abort: %s", self.rank, dst, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- closing --------------------------------------------------------------------------
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._background) + list(self._dialing.values()):
+            task.cancel()
+        conns = list(self._out.values()) + list(self._incoming)
+        bye = encode_frame_bytes(Frame(FrameKind.BYE, FrameHeader(src=self.rank), b""))
+        for conn in conns:
+            if conn.transport is not None and not conn.closed:
+                if conn.authenticated:
+                    conn.transport.write(bye)
+                conn.transport.close()
+        # give the loop a moment to flush BYE frames and run connection_lost callbacks
+        for _ in range(50):
+            if all(c.closed for c in conns):
+                break
+            await asyncio.sleep(0.01)
+        for conn in conns:
+            conn._abort()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for callback in self._on_close:
+            with contextlib.suppress(Exception):
+                await callback()
+
+
+# -------------------------------------------------------------------------------- bootstrap
+
+def _env(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return value
+    return None
+
+
+def _env_int(value: int | None, *names: str, what: str) -> int | None:
+    if value is not None:
+        return value
+    raw = _env(*names)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{names[0]}={raw!r} is not an integer ({what})") from None
+
+
+def _local_ip(client: Any) -> str:
+    """The local IP address of the rendezvous client's connection."""
+    sockname = client.local_address
+    return str(sockname[0])
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
+                   addr: str | None = None, port: int | None = None, timeout: float = 60.0,
+                   token: str | bytes | None = None, tuning: Tuning | None = None,
+                   rendezvous: str | None = None, bind: str | None = None,
+                   host_rendezvous: bool | None = None,
+                   max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Communicator:
+    """Join a TCP world; see :func:`asynccoll.init`."""
+    from ..rendezvous import RendezvousClient, RendezvousServer
+
+    rank = _env_int(rank, "ASYNCCOLL_RANK", "RANK", what="rank")
+    world_size = _env_int(world_size, "ASYNCCOLL_WORLD_SIZE", "WORLD_SIZE", what="world size")
+    if rank is None or world_size is None:
+        raise ValueError("rank and world_size must be given (arguments, ASYNCCOLL_RANK/RANK and "
+                         "ASYNCCOLL_WORLD_SIZE/WORLD_SIZE); start processes with `asynccoll run`")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    addr = addr or _env("ASYNCCOLL_ADDR", "MASTER_ADDR") or "127.0.0.1"
+    port = _env_int(port, "ASYNCCOLL_PORT", "MASTER_PORT", what="port")
+    port = 29500 if port is None else port
+    token = token if token is not None else _env("ASYNCCOLL_TOKEN")
+    rendezvous = rendezvous or _env("ASYNCCOLL_RENDEZVOUS")
+    rdv_host, rdv_port = addr, port
+    if rendezvous:
+        host_part, _, port_part = rendezvous.rpartition(":")
+        if not host_part or not port_part.isdigit():
+            raise ValueError(f"ASYNCCOLL_RENDEZVOUS must be host:port, got {rendezvous!r}")
+        rdv_host, rdv_port = host_part, int(port_part)
+    if host_rendezvous is None:
+        host_rendezvous = rank == 0 and not rendezvous
+
+    server = None
+    if host_rendezvous:
+        server = RendezvousServer(addr if not _is_loopback(addr) else "127.0.0.1", rdv_port,
+                                  token=token)
+        await server.start()
+        rdv_port = server.port
+    transport: TcpTransport | None = None
+    client = None
+    try:
+        client = await RendezvousClient.connect(rdv_host, rdv_port, token=token, timeout=timeout,
+                                                rank=rank)
+        if bind is None:
+            bind = _env("ASYNCCOLL_BIND")
+        if bind is None:
+            # the address this machine uses to reach the rendezvous is one the others can reach
+            bind = _local_ip(client) if not _is_loopback(rdv_host) else "127.0.0.1"
+        transport = TcpTransport(rank, world_size, token=token, max_payload=max_payload)
+        host, lport = await transport.listen(bind, 0)
+        advertised = host if host not in ("0.0.0.0", "::") else _local_ip(client)
+        await client.join(rank, advertised, lport)
+        roster = await client.roster(world_size, timeout)
+        members = roster["members"]
+        for r, entry in members.items():
+            r = int(r)
+            if r >= world_size:
+                raise CollectiveError(f"rank {r} joined but world_size is {world_size}")
+            transport.addresses[r] = (str(entry[0]), int(entry[1]))
+        if world_size > 1:
+            await transport.connect((rank + 1) % world_size)
+    except BaseException:
+        if transport is not None:
+            await transport.close()
+        if client is not None:
+            await client.close()
+        if server is not None:
+            await server.close()
+        raise
+
+    async def close_rendezvous() -> None:
+        await client.close()
+        if server is not None:
+            await server.close()
+
+    transport._on_close.append(close_rendezvous)
+    return Communicator(transport, timeout=timeout, tuning=tuning, backend="tcp")
+
+
+async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
+                          tuning: Tuning | None = None, token: str | bytes | None = None,
+                          max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> list[Communicator]:
+    """``world_size`` TCP ranks in this event loop, over loopback sockets and a real rendezvous."""
+    from ..rendezvous import RendezvousServer
+
+    server = RendezvousServer("127.0.0.1", 0, token=token)
+    await server.start()
+    try:
+        comms = await asyncio.gather(*(
+            tcp_init(rank=r, world_size=world_size, addr="127.0.0.1", port=server.port,
+                     timeout=timeout, token=token, tuning=tuning, host_rendezvous=False,
+                     max_payload=max_payload)
+            for r in range(world_size)), return_exceptions=True)
+    except BaseException:
+        await server.close()
+        raise
+    failed = [c for c in comms if isinstance(c, BaseException)]
+    good = [c for c in comms if isinstance(c, Communicator)]
+    if failed:
+        for c in good:
+            await c.close()
+        await server.close()
+        raise failed[0]
+    good[0].transport._on_close.append(server.close)  # type: ignore[attr-defined]
+    return good
+
+
+__all__ = ["TcpTransport", "tcp_init", "tcp_local_world"]

@@ -1,0 +1,55 @@
+"""Where each collective switches algorithm: every threshold lives here, in one place.
+
+All ranks of a group must use equal settings (the algorithm is part of a collective's
+signature, so a rank that disagrees makes the collective fail with CollectiveError rather
+than hang).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tuning:
+    """Algorithm selection thresholds, in bytes of the array a rank passes.
+
+    Attributes:
+        small_bytes: at or below this, latency-optimal algorithms (recursive doubling
+            all_reduce, binomial-tree reduce, direct all_gather / reduce_scatter); above it,
+            bandwidth-optimal ring algorithms.
+        chain_broadcast_bytes: at or above this, broadcast pipelines segments along a chain
+            instead of a binomial tree.
+        segment_bytes: segment size of pipelined algorithms.
+    """
+
+    small_bytes: int = 64 * 1024
+    chain_broadcast_bytes: int = 1 << 20
+    segment_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.segment_bytes < 1:
+            raise ValueError("segment_bytes must be >= 1")
+
+    def all_reduce(self, nbytes: int, world_size: int) -> str:
+        return "recursive_doubling" if nbytes <= self.small_bytes else "ring"
+
+    def reduce(self, nbytes: int, world_size: int) -> str:
+        return "binomial" if nbytes <= self.small_bytes else "ring"
+
+    def reduce_scatter(self, nbytes: int, world_size: int) -> str:
+        return "direct" if nbytes <= self.small_bytes else "ring"
+
+    def all_gather(self, nbytes: int, world_size: int) -> str:
+        return "direct" if nbytes <= self.small_bytes else "ring"
+
+    def broadcast(self, nbytes: int, world_size: int) -> str:
+        return "chain" if nbytes >= self.chain_broadcast_bytes else "binomial"
+
+
+#: Always the latency-optimal algorithms (for tests).
+TREE = Tuning(small_bytes=1 << 62, chain_broadcast_bytes=1 << 62)
+#: Always the bandwidth-optimal algorithms, with tiny segments (for tests).
+RING = Tuning(small_bytes=-1, chain_broadcast_bytes=0, segment_bytes=64)
+
+__all__ = ["RING", "TREE", "Tuning"]

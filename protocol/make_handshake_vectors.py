@@ -1,0 +1,184 @@
+"""Generate ``protocol/vectors/handshake.json``, the handshake test vectors, from
+``asynccoll.handshake``.
+
+The JSON file is the artefact (see ``protocol/SPEC.md``, "Handshake"); this script documents
+how it was made::
+
+    python protocol/make_handshake_vectors.py           # rewrite the file
+    python protocol/make_handshake_vectors.py --check   # exit 1 if the file is out of date
+
+Every exchange uses fixed tokens and nonces, so the frames are deterministic. Frames are built
+by the reference state machines (``ClientHandshake``, ``ServerHandshake``), except the PROOF of
+``server_rejects_wrong_proof``, which a misbehaving client computes without checking the
+server's proof first (an honest client would have stopped after the CHALLENGE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from asynccoll import handshake  # noqa: E402
+from asynccoll.errors import AuthenticationError  # noqa: E402
+from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes  # noqa: E402
+
+OUTPUT = ROOT / "protocol" / "vectors" / "handshake.json"
+
+DESCRIPTION = (
+    "asynccoll protocol v1: handshake test vectors (see protocol/SPEC.md, 'Handshake'). Each "
+    "exchange gives both sides' inputs (tokens as UTF-8 strings, nonces in hex) and the frames "
+    "in the order they are sent ('from' is 'client' or 'server'); 'hex' is the whole frame, "
+    "'meta' its decoded header meta, where a msgpack bin value is written {\"bin\": hex}. For "
+    "CHALLENGE and PROOF frames, 'hmac_message_hex' is the exact message given to HMAC-SHA256 "
+    "keyed with the sender's token. 'outcome' says how each side ends. Frame headers other than "
+    "'meta' are all zero."
+)
+
+CLIENT_NONCE = bytes(range(0x00, 0x20))
+SERVER_NONCE = bytes(range(0xA0, 0xC0))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"bin": value.hex()}
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _frame_json(sender: str, frame: Frame, hmac_message: bytes | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "from": sender,
+        "kind": int(frame.kind),
+        "kind_name": frame.kind.name,
+        "hex": encode_frame_bytes(frame).hex(),
+        "meta": _jsonable(frame.header.meta or {}),
+    }
+    if hmac_message is not None:
+        out["hmac_message_hex"] = hmac_message.hex()
+    return out
+
+
+def _exchange(name: str, description: str, *, client_token: str, server_token: str,
+              role: str, rank: int | None, client_job: str, server_job: str,
+              welcome_meta: dict[str, Any], forge_proof: bool = False) -> dict[str, Any]:
+    client = handshake.ClientHandshake(client_token, role=role, rank=rank, job=client_job,
+                                       nonce=CLIENT_NONCE)
+    server = handshake.ServerHandshake(server_token, job=server_job, nonce=SERVER_NONCE,
+                                       welcome_meta=welcome_meta)
+    frames = []
+    hello = client.hello()
+    frames.append(_frame_json("client", hello))
+    challenge = server.on_hello(hello)
+    frames.append(_frame_json("server", challenge,
+                              handshake.SERVER_LABEL + CLIENT_NONCE + SERVER_NONCE))
+    client_message = handshake.CLIENT_LABEL + SERVER_NONCE + CLIENT_NONCE
+    outcome: dict[str, Any]
+    try:
+        proof = client.on_challenge(challenge)
+    except AuthenticationError:
+        if not forge_proof:
+            outcome = {"client": "error", "client_error": "authentication",
+                       "server": "no PROOF received (the client closes the connection)"}
+            return _assemble(name, description, client_token, server_token, role, rank,
+                             client_job, server_job, welcome_meta, frames, outcome)
+        proof = Frame(FrameKind.PROOF, FrameHeader(meta={"proof": handshake.client_proof(
+            handshake.normalize_token(client_token), SERVER_NONCE, CLIENT_NONCE)}))
+    frames.append(_frame_json("client", proof, client_message))
+    result = server.on_proof(proof)
+    frames.append(_frame_json("server", result))
+    if server.accepted:
+        welcome = client.on_result(result)
+        outcome = {"client": "welcome", "welcome_meta": _jsonable(welcome),
+                   "server": "accepted", "peer_role": server.peer_role,
+                   "peer_rank": server.peer_rank}
+    else:
+        outcome = {"client": "error", "client_error": "rejected", "server": "rejected",
+                   "reason": server.reason}
+    return _assemble(name, description, client_token, server_token, role, rank, client_job,
+                     server_job, welcome_meta, frames, outcome)
+
+
+def _assemble(name: str, description: str, client_token: str, server_token: str, role: str,
+              rank: int | None, client_job: str, server_job: str,
+              welcome_meta: dict[str, Any], frames: list[dict[str, Any]],
+              outcome: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "description": description,
+        "client": {"token": client_token, "role": role, "rank": rank, "job": client_job,
+                   "nonce_hex": CLIENT_NONCE.hex()},
+        "server": {"token": server_token, "job": server_job, "nonce_hex": SERVER_NONCE.hex(),
+                   "welcome_meta": _jsonable(welcome_meta)},
+        "frames": frames,
+        "outcome": outcome,
+    }
+
+
+def build() -> dict[str, Any]:
+    exchanges = [
+        _exchange("accepted", "a peer rank authenticates to a peer server of the same job",
+                  client_token="secret", server_token="secret", role="peer", rank=1,
+                  client_job="job-42", server_job="job-42", welcome_meta={"rank": 0}),
+        _exchange("accepted_empty_token", "no token configured on either side: the exchange "
+                  "still runs, with the empty HMAC key; the server sets no job",
+                  client_token="", server_token="", role="client", rank=None,
+                  client_job="", server_job="", welcome_meta={}),
+        _exchange("client_rejects_wrong_server", "the server's token differs: the client finds "
+                  "the server's proof wrong and closes without sending PROOF",
+                  client_token="secret", server_token="wrong", role="client", rank=None,
+                  client_job="", server_job="", welcome_meta={}),
+        _exchange("server_rejects_wrong_proof", "a client with the wrong token that sends a "
+                  "PROOF anyway (skipping the check of the server's proof): REJECT",
+                  client_token="wrong", server_token="secret", role="client", rank=None,
+                  client_job="", server_job="", welcome_meta={}, forge_proof=True),
+        _exchange("job_mismatch", "same token, different job ids: the client authenticates, "
+                  "then the server rejects it",
+                  client_token="secret", server_token="secret", role="peer", rank=3,
+                  client_job="job-7", server_job="job-42", welcome_meta={"rank": 0}),
+    ]
+    return {"description": DESCRIPTION, "version": 1,
+            "labels": {"server": handshake.SERVER_LABEL.decode(),
+                       "client": handshake.CLIENT_LABEL.decode()},
+            "exchanges": exchanges}
+
+
+def render() -> str:
+    """The file's exact text."""
+    data = build()
+    lines = ["{"]
+    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k != "exchanges"]
+    lines.append(",\n".join(head) + ",")
+    lines.append(' "exchanges": [')
+    lines.append(",\n".join("  " + json.dumps(e) for e in data["exchanges"]))
+    lines.append(" ]")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUTPUT.exists() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT} is out of date; run {Path(__file__).name}", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

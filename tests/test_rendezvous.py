@@ -1,0 +1,675 @@
+"""The rendezvous server and client (asynccoll.rendezvous) over real sockets on 127.0.0.1.
+
+Every op, concurrency on one connection and across many, the roster and its generations, and a
+server under attack (garbage, truncated and oversized frames, wrong magic, silent clients)
+that keeps serving its legitimate client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from asynccoll.errors import AuthenticationError, RendezvousError
+from asynccoll.handshake import client_handshake, read_frame, write_frame
+from asynccoll.rendezvous import RendezvousClient, RendezvousServer, serve
+from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes
+
+TOKEN = "s3cr3t-rendezvous-token-value"
+PREFIX = struct.Struct("!4sBBHIQ")
+MAX_VALUE = 1 << 20
+
+
+# ----------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture
+async def server() -> AsyncIterator[RendezvousServer]:
+    async with RendezvousServer(token=TOKEN, handshake_timeout=0.5,
+                                max_value_bytes=MAX_VALUE) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def client(server: RendezvousServer) -> AsyncIterator[RendezvousClient]:
+    async with await connect(server) as c:
+        yield c
+
+
+async def connect(server: RendezvousServer, **kwargs: Any) -> RendezvousClient:
+    kwargs.setdefault("token", TOKEN)
+    kwargs.setdefault("timeout", 5.0)
+    return await RendezvousClient.connect(server.host, server.port, **kwargs)
+
+
+async def raw_open(server: RendezvousServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(server.host, server.port)
+
+
+async def raw_close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except (ConnectionError, OSError):
+        pass
+
+
+async def closed_by_server(reader: asyncio.StreamReader, within: float = 3.0) -> bytes:
+    """Read until the server closes the connection (EOF or reset); return what it sent."""
+    received = bytearray()
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                chunk = await reader.read(65536)
+            except ConnectionError:
+                return bytes(received)
+            if not chunk:
+                return bytes(received)
+            received += chunk
+
+
+def request(rid: int, op: str, payload: bytes = b"", **args: Any) -> bytes:
+    return encode_frame_bytes(Frame(FrameKind.REQUEST, FrameHeader(meta={"id": rid, "op": op,
+                                                                         **args}), payload))
+
+
+async def authenticated_raw(server: RendezvousServer
+                            ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await raw_open(server)
+    await client_handshake(reader, writer, TOKEN, role="client", timeout=2)
+    return reader, writer
+
+
+# ----------------------------------------------------------------------------------- key-value
+
+async def test_set_get(client: RendezvousClient) -> None:
+    await client.set("a", b"\x00\x01binary")
+    await client.set("s", "text é")
+    await client.set("empty", b"")
+    assert await client.get("a") == b"\x00\x01binary"
+    assert await client.get("s") == "text é".encode()
+    assert await client.get("empty") == b""
+    await client.set("a", b"overwritten")
+    assert await client.get("a") == b"overwritten"
+
+
+async def test_large_value_roundtrip(client: RendezvousClient) -> None:
+    value = bytes(range(256)) * (MAX_VALUE // 256)
+    await client.set("big", value)
+    assert await client.get("big") == value
+
+
+async def test_value_over_limit_refused_before_sending(client: RendezvousClient) -> None:
+    with pytest.raises(ValueError, match="max_value_bytes"):
+        await client.set("big", bytes(MAX_VALUE + 1))
+    # (a client configured with a larger limit gets dropped: see test_attacks)
+
+
+async def test_get_without_wait(client: RendezvousClient) -> None:
+    with pytest.raises(KeyError):
+        await client.get("missing", wait=False)
+    await client.set("k", b"v")
+    assert await client.get("k", wait=False) == b"v"
+
+
+async def test_get_timeout_is_server_error(client: RendezvousClient) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(RendezvousError, match="timed out after 0.1 s waiting for key 'nope'"):
+        await client.get("nope", timeout=0.1)
+    assert loop.time() - start < 2
+    await client.set("after", b"ok")  # the connection is fine
+    assert await client.get("after") == b"ok"
+
+
+async def test_concurrent_waiters_woken_by_one_set(server: RendezvousServer) -> None:
+    clients = [await connect(server) for _ in range(3)]
+    try:
+        getters = [asyncio.create_task(c.get("go", timeout=5)) for c in clients for _ in range(4)]
+        waiters = [asyncio.create_task(c.wait(["go", "also"], timeout=5)) for c in clients]
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in (*getters, *waiters))
+        await clients[0].set("go", b"now")
+        assert await asyncio.gather(*getters) == [b"now"] * 12
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in waiters)  # still waiting for "also"
+        await clients[1].set("also", b"1")
+        assert await asyncio.gather(*waiters) == [None] * 3
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_blocking_get_does_not_block_the_connection(client: RendezvousClient) -> None:
+    pending = asyncio.create_task(client.get("later", timeout=5))
+    await asyncio.sleep(0.05)
+    await client.set("other", b"x")
+    assert await client.get("other") == b"x"
+    assert await client.add("counter") == 1
+    assert not pending.done()
+    await client.set("later", b"done")
+    assert await pending == b"done"
+
+
+async def test_wait(client: RendezvousClient) -> None:
+    await client.wait([], timeout=0.1)
+    await client.set("x", b"1")
+    await client.wait("x", timeout=0.1)
+    with pytest.raises(RendezvousError, match=re.escape("['y']")):
+        await client.wait(["x", "y"], timeout=0.1)
+
+
+async def test_add(client: RendezvousClient) -> None:
+    assert await client.add("n", 5) == 5
+    assert await client.add("n", -7) == -2
+    assert await client.get("n") == b"-2"  # decimal ASCII, like TCPStore
+    await client.set("m", b"41")
+    assert await client.add("m") == 42
+    await client.set("text", b"abc")
+    with pytest.raises(RendezvousError, match="not a decimal integer"):
+        await client.add("text", 1)
+    await client.set("top", str((1 << 63) - 1))
+    with pytest.raises(RendezvousError, match="overflow"):
+        await client.add("top", 1)
+    with pytest.raises(TypeError):
+        await client.add("n", 1.5)  # type: ignore[arg-type]
+
+
+async def test_add_from_20_concurrent_clients(server: RendezvousServer) -> None:
+    clients = await asyncio.gather(*(connect(server) for _ in range(20)))
+    try:
+        results = await asyncio.gather(*(c.add("counter", 1) for c in clients for _ in range(5)))
+        assert sorted(results) == list(range(1, 101))
+        assert await clients[0].get("counter") == b"100"
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+async def test_compare_set(client: RendezvousClient) -> None:
+    # expected None: set only if absent
+    assert await client.compare_set("k", None, b"first") == (True, b"first")
+    assert await client.compare_set("k", None, b"second") == (False, b"first")
+    # wrong expected value: unchanged, current returned
+    assert await client.compare_set("k", b"nope", b"second") == (False, b"first")
+    assert await client.get("k") == b"first"
+    # right expected value: swapped
+    assert await client.compare_set("k", b"first", b"second") == (True, b"second")
+    assert await client.get("k") == b"second"
+    # absent key with an expected value: nothing happens, current is None
+    assert await client.compare_set("absent", b"x", b"y") == (False, None)
+    assert await client.num_keys() == 1
+    # empty bytes is a value, not absence
+    await client.set("e", b"")
+    assert await client.compare_set("e", None, b"z") == (False, b"")
+    assert await client.compare_set("e", b"", b"z") == (True, b"z")
+
+
+async def test_compare_set_wakes_waiters(client: RendezvousClient) -> None:
+    waiter = asyncio.create_task(client.get("cas", timeout=5))
+    await asyncio.sleep(0.02)
+    await client.compare_set("cas", None, b"won")
+    assert await waiter == b"won"
+
+
+async def test_delete_and_num_keys(client: RendezvousClient) -> None:
+    assert await client.num_keys() == 0
+    await client.set("a", b"1")
+    await client.add("b", 1)
+    assert await client.num_keys() == 2
+    assert await client.delete("a") is True
+    assert await client.delete("a") is False
+    assert await client.num_keys() == 1
+    with pytest.raises(KeyError):
+        await client.get("a", wait=False)
+
+
+# ----------------------------------------------------------------------------------- roster
+
+async def test_roster_waits_for_world_size(server: RendezvousServer) -> None:
+    clients = [await connect(server) for _ in range(3)]
+    try:
+        waiter = asyncio.create_task(clients[0].roster(world_size=3, timeout=5))
+        assert await clients[0].join(0, "10.0.0.1", 5000, {"gpu": 0}) == 0
+        assert await clients[1].join(1, "10.0.0.2", 5001) == 0
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        snapshot = await clients[2].roster()  # no world size: returns at once
+        assert snapshot == {"generation": 0, "members": {0: ["10.0.0.1", 5000, {"gpu": 0}],
+                                                         1: ["10.0.0.2", 5001, {}]}}
+        await clients[2].join(2, "10.0.0.3", 5002, {"host": "c"})
+        roster = await waiter
+        assert roster["generation"] == 0
+        assert roster["members"] == {0: ["10.0.0.1", 5000, {"gpu": 0}],
+                                     1: ["10.0.0.2", 5001, {}],
+                                     2: ["10.0.0.3", 5002, {"host": "c"}]}
+        assert await clients[1].leave(1) is True
+        assert await clients[1].leave(1) is False
+        assert set((await clients[1].roster())["members"]) == {0, 2}
+        # rejoining replaces the entry
+        await clients[2].join(2, "10.0.0.9", 6000)
+        assert (await clients[0].roster())["members"][2] == ["10.0.0.9", 6000, {}]
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_roster_timeout(client: RendezvousClient) -> None:
+    await client.join(0, "h", 1)
+    with pytest.raises(RendezvousError, match="2 ranks to join the roster"):
+        await client.roster(world_size=2, timeout=0.1)
+
+
+async def test_generation_bump(server: RendezvousServer) -> None:
+    a, b = await connect(server), await connect(server)
+    try:
+        assert await a.generation() == 0
+        await a.join(0, "h", 1)
+        await b.join(1, "h", 2)
+        # a waiter that names its generation wakes up on the bump and sees the new one
+        stale = asyncio.create_task(a.roster(world_size=3, timeout=5, generation=0))
+        # a waiter that does not keeps waiting for the new generation to fill up
+        fresh = asyncio.create_task(b.roster(world_size=2, timeout=5))
+        await asyncio.sleep(0.05)
+        assert await b.bump_generation() == 1
+        seen = await stale
+        assert seen == {"generation": 1, "members": {}}
+        assert await a.generation() == 1
+        assert not fresh.done()
+        assert await a.join(0, "h", 1) == 1
+        assert await b.join(1, "h", 2) == 1
+        assert (await fresh)["generation"] == 1
+        # a conditional bump happens once even if two ranks ask for it
+        assert await a.bump_generation(expected=1) == 2
+        assert await b.bump_generation(expected=1) == 2
+        assert await a.generation() == 2
+        assert (await a.roster())["members"] == {}
+        # a roster call naming an old generation returns at once
+        assert (await a.roster(world_size=5, timeout=5, generation=0))["generation"] == 2
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_roster_arguments_checked_before_sending(client: RendezvousClient) -> None:
+    with pytest.raises(ValueError):
+        await client.join(-1, "h", 1)
+    with pytest.raises(ValueError):
+        await client.join(0, "h", 70000)
+    with pytest.raises(TypeError):
+        await client.join(0, "h", 1, {1: "int key"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError):
+        await client.roster(world_size=0)
+    with pytest.raises(ValueError):
+        await client.get("k", timeout=-1)
+
+
+# ----------------------------------------------------------------------------------- auth
+
+async def test_wrong_token_cannot_connect(server: RendezvousServer,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="asynccoll")
+    wrong = "wrong-token-do-not-leak"
+    with pytest.raises(AuthenticationError) as info:
+        await connect(server, token=wrong)
+    assert wrong not in str(info.value) and TOKEN not in str(info.value)
+    with pytest.raises(AuthenticationError):
+        await connect(server, token=None)
+    async with asyncio.timeout(2):  # the server logs the drop
+        while "dropped connection" not in caplog.text:
+            await asyncio.sleep(0.01)
+    assert wrong not in caplog.text and TOKEN not in caplog.text
+
+
+async def test_job_mismatch_cannot_connect() -> None:
+    async with RendezvousServer(token=TOKEN, job="job-1") as srv:
+        with pytest.raises(AuthenticationError, match="job mismatch"):
+            await connect(srv, job="job-2")
+        async with await connect(srv, job="job-1") as c:
+            await c.set("k", b"v")
+
+
+async def test_client_without_token_reaches_server_without_token() -> None:
+    async with RendezvousServer() as srv:
+        async with await RendezvousClient.connect(srv.host, srv.port, timeout=2) as c:
+            await c.set("k", b"v")
+            assert await c.get("k") == b"v"
+
+
+# ----------------------------------------------------------------------------------- attacks
+
+async def test_attacks_are_dropped_while_legit_client_works(
+        server: RendezvousServer, client: RendezvousClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="asynccoll.rendezvous")
+    stop = asyncio.Event()
+    done = 0
+
+    async def legit_work() -> None:
+        nonlocal done
+        while not stop.is_set():
+            await client.set(f"k{done}", b"v")
+            assert await client.get(f"k{done}") == b"v"
+            await client.add("ops", 1)
+            done += 1
+            await asyncio.sleep(0.005)
+
+    hello_prefix = PREFIX.pack(b"ACOL", 1, FrameKind.HELLO, 0, 40, 0)
+
+    async def attack(name: str, data: bytes, eof: bool, authenticate: bool = False) -> str:
+        if authenticate:
+            reader, writer = await authenticated_raw(server)
+        else:
+            reader, writer = await raw_open(server)
+        try:
+            writer.write(data)
+            if eof:
+                writer.write_eof()
+            await closed_by_server(reader)
+        finally:
+            await raw_close(writer)
+        return name
+
+    attacks = [
+        ("garbage", b"\x16\x03\x01\x02\x00" + bytes(range(256)) * 4, False, False),
+        ("http", b"GET / HTTP/1.1\r\nHost: rendezvous\r\n\r\n", False, False),
+        ("wrong magic", PREFIX.pack(b"NCCL", 1, 16, 0, 0, 0), False, False),
+        ("wrong version", PREFIX.pack(b"ACOL", 9, 16, 0, 0, 0), False, False),
+        ("oversized payload prefix", PREFIX.pack(b"ACOL", 1, 16, 0, 10, 1 << 39), False, False),
+        ("oversized header prefix", PREFIX.pack(b"ACOL", 1, 16, 0, 1 << 30, 0), False, False),
+        ("truncated frame then eof", hello_prefix + b"\x86\xa1g", True, False),
+        ("truncated frame, held open", hello_prefix + b"\x86\xa1g", False, False),
+        ("silent", b"", False, False),
+        ("prefix only, held open", hello_prefix, False, False),
+        ("request before handshake", request(1, "num_keys"), False, False),
+        # after a successful handshake
+        ("oversized value", PREFIX.pack(b"ACOL", 1, 32, 0, 10, MAX_VALUE + 1), False, True),
+        ("garbage after auth", b"\xff" * 100, False, True),
+        ("request without id", encode_frame_bytes(Frame(FrameKind.REQUEST, FrameHeader(
+            meta={"op": "get", "key": "k"}))), False, True),
+        ("request with bool id", request(True, "num_keys"), False, True),  # type: ignore[arg-type]
+        ("response frame from a client", encode_frame_bytes(Frame(FrameKind.RESPONSE, FrameHeader(
+            meta={"id": 1, "ok": True}))), False, True),
+        ("truncated request then eof", request(1, "set", b"value", key="k")[:-2], True, True),
+    ]
+    worker = asyncio.create_task(legit_work())
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout(5):
+            names = await asyncio.gather(*(attack(*a) for a in attacks))
+    finally:
+        stop.set()
+        await worker
+    assert names == [a[0] for a in attacks]
+    assert loop.time() - start < 3  # the silent ones go at handshake_timeout=0.5
+    assert done > 0
+    # the legitimate client is unharmed
+    assert await client.get("ops") == str(done).encode()
+    assert await client.num_keys() == done + 1
+    dropped = [r for r in caplog.records if "dropped connection" in r.getMessage()]
+    assert len(dropped) >= len(attacks)
+    assert all(r.levelno == logging.WARNING for r in dropped)
+
+
+async def test_handshake_timeout_drops_slowloris(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="asynccoll.rendezvous")
+    async with RendezvousServer(token=TOKEN, handshake_timeout=0.2) as srv:
+        reader, writer = await raw_open(srv)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for byte in encode_frame_bytes(Frame(FrameKind.HELLO, FrameHeader()))[:10]:
+                writer.write(bytes([byte]))  # one byte at a time, never finishing
+                await asyncio.sleep(0.05)
+            await closed_by_server(reader, within=2)
+            assert 0.15 < loop.time() - start < 2
+        finally:
+            await raw_close(writer)
+    assert "did not complete the handshake within 0.2 s" in caplog.text
+
+
+async def test_bad_arguments_answered_connection_kept(server: RendezvousServer) -> None:
+    reader, writer = await authenticated_raw(server)
+    try:
+        cases = [
+            request(1, "get", key=5),
+            request(2, "set"),
+            request(3, "add", key="k", delta="1"),
+            request(4, "wait", keys="k"),
+            request(5, "join", rank=-1, host="h", port=1),
+            request(6, "get", b"payload", key="k"),
+            request(7, "no_such_op"),
+            request(8, "get", key="k", timeout=-5),
+        ]
+        for data in cases:
+            writer.write(data)
+        writer.write(request(9, "num_keys"))
+        await writer.drain()
+        answers = {}
+        async with asyncio.timeout(2):
+            while len(answers) < len(cases) + 1:
+                frame = await read_frame(reader, MAX_VALUE)
+                assert frame is not None and frame.kind == FrameKind.RESPONSE
+                assert frame.header.meta is not None
+                answers[frame.header.meta["id"]] = frame.header.meta
+        for rid in range(1, 9):
+            assert answers[rid]["ok"] is False, answers[rid]
+            assert answers[rid]["code"] == ("unknown_op" if rid == 7 else "bad_request")
+            assert isinstance(answers[rid]["error"], str)
+        assert answers[9] == {"id": 9, "ok": True, "count": 0}
+    finally:
+        await raw_close(writer)
+
+
+async def test_unknown_op_from_client_is_rendezvous_error(client: RendezvousClient) -> None:
+    with pytest.raises(RendezvousError, match="unknown op 'frobnicate'"):
+        await client._call("frobnicate", {})
+    assert await client.num_keys() == 0
+
+
+async def test_client_that_does_not_read_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="asynccoll.rendezvous")
+    async with RendezvousServer(token=TOKEN, send_timeout=0.3,
+                                max_value_bytes=4 << 20) as srv:
+        async with await connect(srv, max_value_bytes=4 << 20) as c:
+            await c.set("big", bytes(4 << 20))
+            reader, writer = await authenticated_raw(srv)
+            try:
+                for rid in range(64):  # 256 MiB of answers it never reads
+                    writer.write(request(rid, "get", key="big"))
+                await writer.drain()
+                async with asyncio.timeout(5):
+                    while "did not read its responses" not in caplog.text:
+                        await asyncio.sleep(0.02)
+            finally:
+                writer.transport.abort()
+                await raw_close(writer)
+            assert await c.get("big", timeout=1) == bytes(4 << 20)
+
+
+# ----------------------------------------------------------------------------------- lifecycle
+
+async def test_server_close_fails_pending_calls_promptly() -> None:
+    srv = RendezvousServer(token=TOKEN)
+    await srv.start()
+    c = await connect(srv, timeout=30)
+    try:
+        pending = [asyncio.create_task(c.get("never", timeout=30)),
+                   asyncio.create_task(c.wait(["never"], timeout=30)),
+                   asyncio.create_task(c.roster(world_size=8, timeout=30))]
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await srv.close()
+        for task in pending:
+            with pytest.raises(RendezvousError, match="closed the connection"):
+                await task
+        assert loop.time() - start < 1
+        assert c.closed
+        with pytest.raises(RendezvousError):
+            await c.set("k", b"v")
+        await srv.close()  # idempotent
+    finally:
+        await c.close()
+        await srv.close()
+
+
+async def test_client_close_fails_its_pending_calls(client: RendezvousClient) -> None:
+    pending = asyncio.create_task(client.get("never", timeout=30))
+    await asyncio.sleep(0.02)
+    await client.close()
+    with pytest.raises(RendezvousError, match="closed"):
+        await pending
+    with pytest.raises(RendezvousError):
+        await client.num_keys()
+    await client.close()  # idempotent
+
+
+async def test_client_times_out_when_server_never_answers() -> None:
+    from asynccoll.handshake import server_handshake
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await server_handshake(reader, writer, TOKEN, timeout=2)
+            await reader.read()  # swallows requests, answers nothing
+        finally:
+            writer.close()
+            await writer.wait_closed()
+
+    fake = await asyncio.start_server(mute, "127.0.0.1", 0)
+    try:
+        port = fake.sockets[0].getsockname()[1]
+        async with await RendezvousClient.connect("127.0.0.1", port, token=TOKEN,
+                                                  timeout=0.2) as c:
+            with pytest.raises(RendezvousError, match="no answer"):
+                await c.num_keys()
+    finally:
+        fake.close()
+        await fake.wait_closed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_connect_retries_until_server_starts() -> None:
+    port = _free_port()
+
+    async def late_server() -> RendezvousServer:
+        await asyncio.sleep(0.3)
+        srv = RendezvousServer(port=port, token=TOKEN)
+        await srv.start()
+        return srv
+
+    starter = asyncio.create_task(late_server())
+    c = await RendezvousClient.connect("127.0.0.1", port, token=TOKEN, timeout=5)
+    srv = await starter
+    try:
+        await c.set("k", b"v")
+    finally:
+        await c.close()
+        await srv.close()
+
+
+async def test_connect_without_retry_or_past_timeout() -> None:
+    port = _free_port()
+    with pytest.raises(RendezvousError, match="could not connect"):
+        await RendezvousClient.connect("127.0.0.1", port, connect_retry=False, timeout=5)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(RendezvousError, match="could not connect"):
+        await RendezvousClient.connect("127.0.0.1", port, timeout=0.3)
+    assert loop.time() - start < 1.5
+
+
+async def test_two_servers_are_independent() -> None:
+    async with RendezvousServer(token="a") as s1, RendezvousServer(token="b") as s2:
+        assert s1.port != s2.port
+        async with await RendezvousClient.connect(s1.host, s1.port, token="a") as c1, \
+                await RendezvousClient.connect(s2.host, s2.port, token="b") as c2:
+            await c1.set("k", b"one")
+            await c2.set("k", b"two")
+            await c1.join(0, "h", 1)
+            await c2.bump_generation()
+            assert await c1.get("k") == b"one"
+            assert await c2.get("k") == b"two"
+            assert await c1.generation() == 0
+            assert (await c2.roster())["members"] == {}
+        with pytest.raises(AuthenticationError):
+            await RendezvousClient.connect(s2.host, s2.port, token="a", timeout=2)
+
+
+async def test_server_properties_and_double_start() -> None:
+    srv = RendezvousServer()
+    with pytest.raises(RuntimeError):
+        _ = srv.port
+    await srv.close()  # closing a server that never started is fine
+    async with RendezvousServer() as srv:
+        assert srv.host == "127.0.0.1" and srv.port > 0
+        with pytest.raises(RuntimeError):
+            await srv.start()
+
+
+async def test_serve_logs_address_and_runs_until_cancelled(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="asynccoll.rendezvous")
+    task = asyncio.create_task(serve("127.0.0.1", 0, TOKEN))
+    try:
+        async with asyncio.timeout(3):
+            while not (m := re.search(r"listening on 127\.0\.0\.1:(\d+)", caplog.text)):
+                await asyncio.sleep(0.01)
+        port = int(m.group(1))
+        async with await RendezvousClient.connect("127.0.0.1", port, token=TOKEN,
+                                                  timeout=2) as c:
+            await c.set("k", b"v")
+            assert await c.get("k") == b"v"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    with pytest.raises(RendezvousError):
+        await RendezvousClient.connect("127.0.0.1", port, token=TOKEN, connect_retry=False)
+
+
+async def test_many_clients_barrier_pattern(server: RendezvousServer) -> None:
+    """The TCPStore barrier idiom: add, then wait for the last arrival's key."""
+    n = 8
+
+    async def rank(r: int) -> int:
+        async with await connect(server) as c:
+            await c.join(r, "127.0.0.1", 10000 + r)
+            if await c.add("arrived", 1) == n:
+                await c.set("all-here", b"1")
+            await c.wait(["all-here"], timeout=5)
+            roster = await c.roster(world_size=n, timeout=5)
+            return len(roster["members"])
+
+    assert await asyncio.gather(*(rank(r) for r in range(n))) == [n] * n
+
+
+async def test_write_frame_requests_are_demultiplexed(server: RendezvousServer) -> None:
+    # responses come back tagged by id even when they complete out of order
+    reader, writer = await authenticated_raw(server)
+    try:
+        write_frame(writer, Frame(FrameKind.REQUEST, FrameHeader(
+            meta={"id": 10, "op": "get", "key": "slow", "timeout": 5})))
+        write_frame(writer, Frame(FrameKind.REQUEST, FrameHeader(
+            meta={"id": 11, "op": "set", "key": "slow"}), b"val"))
+        await writer.drain()
+        got = []
+        async with asyncio.timeout(2):
+            for _ in range(2):
+                frame = await read_frame(reader, MAX_VALUE)
+                assert frame is not None
+                got.append((frame.header.meta["id"], bytes(frame.payload)))
+        assert got == [(11, b""), (10, b"val")]
+    finally:
+        await raw_close(writer)

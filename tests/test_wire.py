@@ -1,0 +1,554 @@
+"""The frame codec (asynccoll.wire) against protocol/vectors/frames.json and random input.
+
+Every vector is decoded from the whole byte string and fed one byte at a time (as h11's tests
+do), valid ones re-encode byte for byte, invalid ones raise ProtocolError and nothing else.
+Hypothesis then checks that no input, random or mutated, gets anything but frames or a
+ProtocolError out of the decoder, that headers round-trip, and that memory stays bounded by
+what was received rather than what a prefix claims.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asynccoll import wire
+from asynccoll.errors import ProtocolError
+from asynccoll.wire import (
+    CLOSED,
+    NEED_DATA,
+    Frame,
+    FrameDecoder,
+    FrameHeader,
+    FrameKind,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+VECTORS_PATH = ROOT / "protocol" / "vectors" / "frames.json"
+VECTORS = json.loads(VECTORS_PATH.read_text())
+VALID = VECTORS["valid"]
+NONCANONICAL = VECTORS["noncanonical"]
+INVALID = VECTORS["invalid"]
+ALL_VALID_BYTES = [bytes.fromhex(v["hex"]) for v in (*VALID, *NONCANONICAL)]
+
+HEADER_FIELDS = ("group", "seq", "step", "tag", "src", "dtype", "shape", "sig", "meta")
+U32, U64 = (1 << 32) - 1, (1 << 64) - 1
+MiB = 1 << 20
+
+FUZZ = settings(deadline=None, max_examples=300, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FEW = settings(FUZZ, max_examples=60)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def tuplify(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(tuplify(v) for v in value)
+    return value
+
+
+def header_from_json(obj: dict[str, Any]) -> FrameHeader:
+    assert set(obj) <= set(HEADER_FIELDS), set(obj) - set(HEADER_FIELDS)
+    return FrameHeader(
+        **{k: obj[k] for k in ("group", "seq", "step", "tag", "src", "dtype", "meta") if k in obj},
+        shape=tuple(obj["shape"]) if "shape" in obj else None,
+        sig=tuplify(obj["sig"]) if "sig" in obj else None,
+    )
+
+
+def frame_from_json(vector: dict[str, Any]) -> Frame:
+    return Frame(FrameKind(vector["kind"]), header_from_json(vector["header"]),
+                 bytes.fromhex(vector["payload_hex"]))
+
+
+def drive(chunks: list[bytes], max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES
+          ) -> tuple[list[Frame], ProtocolError | None]:
+    """Feed ``chunks`` then EOF, collecting frames; return them and the ProtocolError, if any.
+
+    Any other exception propagates and fails the test.
+    """
+    decoder = FrameDecoder(max_payload)
+    frames: list[Frame] = []
+    try:
+        for chunk in chunks:
+            if not chunk:
+                continue  # b"" would mean EOF
+            decoder.feed(chunk)
+            frames.extend(decoder.frames())
+        decoder.feed(b"")
+        frames.extend(decoder.frames())
+        assert decoder.next_frame() is CLOSED
+    except ProtocolError as exc:
+        # after an error the decoder is dead: every call raises again
+        with pytest.raises(ProtocolError):
+            decoder.next_frame()
+        with pytest.raises(ProtocolError):
+            decoder.feed(b"x")
+        return frames, exc
+    return frames, None
+
+
+def bytewise(data: bytes) -> list[bytes]:
+    return [data[i:i + 1] for i in range(len(data))]
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in zip(points, points[1:], strict=False) if b > a]
+
+
+def outcome(chunks: list[bytes], max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES
+            ) -> tuple[list[Frame], str | None]:
+    frames, err = drive(chunks, max_payload)
+    return frames, (str(err) if err is not None else None)
+
+
+def raw_frame(kind: int, body: bytes, payload: bytes = b"", *, header_len: int | None = None,
+              payload_len: int | None = None) -> bytes:
+    return wire.PREFIX.pack(
+        wire.MAGIC, wire.VERSION, kind, 0, len(body) if header_len is None else header_len,
+        len(payload) if payload_len is None else payload_len) + body + payload
+
+
+# ----------------------------------------------------------------------------------- vectors
+
+def test_vector_file_shape() -> None:
+    assert VECTORS["version"] == wire.VERSION
+    assert set(VECTORS) == {"description", "version", "valid", "noncanonical", "invalid"}
+    names = [v["name"] for v in (*VALID, *NONCANONICAL, *INVALID)]
+    assert len(names) == len(set(names))
+    for v in (*VALID, *NONCANONICAL, *INVALID):
+        assert v["hex"] == v["hex"].lower()
+    # every kind of data frame and every dtype is pinned by at least one valid vector
+    assert {v["header"].get("dtype") for v in VALID} >= set(wire.SUPPORTED_DTYPES)
+    assert {v["kind"] for v in VALID} >= {k.value for k in
+                                          (FrameKind.DATA, FrameKind.P2P, FrameKind.ABORT,
+                                           FrameKind.BYE)}
+
+
+def test_vectors_are_up_to_date() -> None:
+    spec = importlib.util.spec_from_file_location("make_vectors", ROOT / "protocol" / "make_vectors.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.render() == VECTORS_PATH.read_text(), "run protocol/make_vectors.py"
+
+
+@pytest.mark.parametrize("vector", VALID, ids=[v["name"] for v in VALID])
+def test_valid_vector(vector: dict[str, Any]) -> None:
+    data = bytes.fromhex(vector["hex"])
+    expected = frame_from_json(vector)
+    for chunks in ([data], bytewise(data)):
+        frames, err = drive(chunks)
+        assert err is None
+        assert frames == [expected]
+        (frame,) = frames
+        assert type(frame.kind) is FrameKind and frame.kind == vector["kind"]
+        assert frame.kind.name == vector["kind_name"]
+        for name in HEADER_FIELDS:  # absent fields really are absent
+            assert (getattr(frame.header, name) is None) == (name not in vector["header"])
+        assert bytes(frame.payload) == bytes.fromhex(vector["payload_hex"])
+    # re-encodes byte for byte, also via the two-buffer form the transports use
+    assert wire.encode_frame_bytes(expected).hex() == vector["hex"]
+    assert b"".join(bytes(b) for b in wire.encode_frame(expected)) == data
+    head = wire.encode_head(expected.kind, expected.header, len(expected.payload))
+    assert head + expected.payload == data
+
+
+@pytest.mark.parametrize("vector", [v for v in VALID if v["kind"] in (1, 2)],
+                         ids=[v["name"] for v in VALID if v["kind"] in (1, 2)])
+def test_valid_vector_payload_is_the_array(vector: dict[str, Any]) -> None:
+    header = vector["header"]
+    payload = bytes.fromhex(vector["payload_hex"])
+    dtype = np.dtype(header["dtype"])
+    assert len(payload) == math.prod(header["shape"]) * dtype.itemsize
+    array = wire.array_view(payload, header["dtype"], header["shape"])
+    assert array.shape == tuple(header["shape"]) and array.dtype == dtype
+    assert array.tobytes() == payload
+    assert wire.dtype_code(array.dtype) == header["dtype"]
+
+
+@pytest.mark.parametrize("vector", NONCANONICAL, ids=[v["name"] for v in NONCANONICAL])
+def test_noncanonical_vector(vector: dict[str, Any]) -> None:
+    data = bytes.fromhex(vector["hex"])
+    expected = frame_from_json(vector)
+    assert drive([data]) == ([expected], None)
+    assert drive(bytewise(data)) == ([expected], None)
+    assert wire.encode_frame_bytes(expected).hex() == vector["canonical_hex"]
+    assert vector["canonical_hex"] != vector["hex"]
+
+
+@pytest.mark.parametrize("vector", INVALID, ids=[v["name"] for v in INVALID])
+def test_invalid_vector(vector: dict[str, Any]) -> None:
+    data = bytes.fromhex(vector["hex"])
+    limit = vector.get("max_payload", wire.DEFAULT_MAX_PAYLOAD_BYTES)
+    results = []
+    for chunks in ([data], bytewise(data)):
+        frames, err = drive(chunks, limit)
+        assert isinstance(err, ProtocolError)
+        if "error" in vector:
+            assert vector["error"] in str(err)
+        results.append((frames, str(err)))
+    assert results[0] == results[1]
+    with pytest.raises(ProtocolError):
+        wire.decode_frames(data, limit)
+
+
+def test_all_vectors_in_one_stream() -> None:
+    stream = b"".join(ALL_VALID_BYTES)
+    expected = [frame_from_json(v) for v in (*VALID, *NONCANONICAL)]
+    assert wire.decode_frames(stream) == expected
+    assert drive(bytewise(stream)) == (expected, None)
+
+
+@given(cuts=st.lists(st.integers(min_value=0), max_size=20))
+@FEW
+def test_all_vectors_in_random_chunks(cuts: list[int]) -> None:
+    stream = b"".join(ALL_VALID_BYTES)
+    assert drive(split(stream, cuts)) == (wire.decode_frames(stream), None)
+
+
+# ----------------------------------------------------------------------------------- decoder
+
+def test_decoder_states() -> None:
+    decoder = FrameDecoder()
+    assert decoder.next_frame() is NEED_DATA
+    data = ALL_VALID_BYTES[0]
+    decoder.feed(data[:7])
+    assert decoder.next_frame() is NEED_DATA
+    decoder.feed(data[7:])
+    assert isinstance(decoder.next_frame(), Frame)
+    assert decoder.next_frame() is NEED_DATA
+    decoder.feed(b"")
+    assert decoder.next_frame() is CLOSED
+    assert decoder.next_frame() is CLOSED
+    with pytest.raises(ProtocolError, match="after end of stream"):
+        decoder.feed(b"x")
+
+
+def test_decoder_accepts_memoryview_and_bytearray() -> None:
+    data = b"".join(ALL_VALID_BYTES)
+    assert drive([memoryview(data)]) == drive([bytearray(data)]) == drive([data])
+
+
+def test_payload_at_the_limit_is_accepted() -> None:
+    frame = Frame(FrameKind.DATA, FrameHeader(dtype="|u1", shape=(1024,)), bytes(range(256)) * 4)
+    data = wire.encode_frame_bytes(frame)
+    assert drive([data], max_payload=1024) == ([frame], None)
+    frames, err = drive([data], max_payload=1023)
+    assert frames == [] and err is not None and "exceeds the limit" in str(err)
+
+
+def test_prefix_is_checked_before_the_header_arrives() -> None:
+    decoder = FrameDecoder(max_payload=1024)
+    decoder.feed(wire.PREFIX.pack(wire.MAGIC, 1, 1, 0, 100, 1025))
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        decoder.next_frame()
+
+
+def test_payload_length_is_checked_before_the_payload_arrives() -> None:
+    decoder = FrameDecoder()
+    decoder.feed(wire.encode_head(FrameKind.DATA, FrameHeader(dtype="<f8", shape=(2,)), 15))
+    with pytest.raises(ProtocolError, match="does not match"):
+        decoder.next_frame()
+
+
+# ----------------------------------------------------------------------------------- encoder
+
+def test_encode_frame_passes_the_payload_through() -> None:
+    array = np.arange(6, dtype=np.float32)
+    view = memoryview(array).cast("B")
+    frame = Frame(FrameKind.DATA, FrameHeader(dtype="<f4", shape=(6,)), view)
+    buffers = wire.encode_frame(frame)
+    assert len(buffers) == 2 and buffers[1] is view
+    assert wire.encode_frame(Frame(FrameKind.BYE, FrameHeader()))[0] == wire.encode_frame_bytes(
+        Frame(FrameKind.BYE, FrameHeader()))
+    assert len(wire.encode_frame(Frame(FrameKind.BYE, FrameHeader()))) == 1
+
+
+def test_encoder_refuses_what_a_decoder_must_reject() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        wire.encode_head(FrameKind.ABORT, FrameHeader(meta={"reason": "x" * wire.MAX_HEADER_BYTES}),
+                         0)
+    with pytest.raises(ProtocolError, match="protocol's limit"):
+        wire.encode_head(FrameKind.DATA, FrameHeader(), wire.ABSOLUTE_MAX_PAYLOAD_BYTES + 1)
+    deepest: Any = ()  # the header map is level 1, sig level 2: 31 nested tuples reach 32
+    for _ in range(wire.MAX_HEADER_DEPTH - 2):
+        deepest = (deepest,)
+    head = wire.encode_head(FrameKind.DATA, FrameHeader(sig=deepest), 0)
+    assert wire.decode_header(head[wire.PREFIX_SIZE:]).sig == deepest
+    with pytest.raises(ProtocolError, match="nests deeper"):
+        wire.encode_head(FrameKind.DATA, FrameHeader(sig=(deepest,)), 0)
+    with pytest.raises(ProtocolError, match="nests deeper"):
+        wire.decode_header(head[wire.PREFIX_SIZE:].replace(b"\x91\x90", b"\x91\x91\x90"))
+    with pytest.raises(ProtocolError, match="cannot be encoded"):
+        wire.encode_head(FrameKind.ABORT, FrameHeader(meta={"x": {1, 2}}), 0)
+    with pytest.raises(ProtocolError, match="cannot be encoded"):
+        wire.encode_head(FrameKind.ABORT, FrameHeader(meta={"x": 1 << 64}), 0)
+
+
+def test_deep_headers_are_protocol_errors() -> None:
+    # msgpack itself decodes ~1000 levels; the codec must refuse them without recursing
+    for depth in (33, 500, 999, 1023, 5000):
+        for key in ("c", "g", "h", "m", "d"):
+            fields = [(k, b"\x00") for k in "gqstr" if k != key]
+            body = bytes([0x80 | (len(fields) + 1)]) + b"".join(
+                msgpack.packb(k) + v for k, v in fields) + msgpack.packb(key) + (
+                b"\x91" * depth + b"\xc0")
+            frames, err = drive([raw_frame(4, body)])
+            assert frames == [] and err is not None
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"group": -1}, {"group": U64 + 1}, {"seq": U64 + 1}, {"step": U32 + 1}, {"tag": 1 << 63},
+    {"src": U32 + 1}, {"src": True}, {"seq": 1.0}, {"dtype": ">f8"}, {"dtype": "float32"},
+    {"shape": [1, 2]}, {"shape": (-1,)}, {"shape": (1,) * 33}, {"shape": (True,)},
+    {"sig": ["x"]}, {"meta": [("a", 1)]}, {"meta": {1: "a"}}, {"meta": {b"a": 1}},
+])
+def test_header_validation(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ProtocolError):
+        FrameHeader(**kwargs)
+
+
+def test_header_extremes_are_valid() -> None:
+    header = FrameHeader(group=U64, seq=U64, step=U32, tag=(1 << 63) - 1, src=U32,
+                         shape=((1 << 63) - 1,) * 32)
+    assert wire.decode_header(wire.encode_head(FrameKind.BYE, header, 0)[20:]) == header
+
+
+def test_dtypes() -> None:
+    names = ["|b1", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8",
+             "<c8", "<c16"]
+    assert set(wire.SUPPORTED_DTYPES) == set(names)
+    assert wire.dtype_code(np.dtype(">f4")) == "<f4"
+    assert wire.dtype_code(np.dtype("=i8")) == "<i8"
+    assert wire.dtype_code(np.dtype(bool)) == "|b1"
+    for bad in (object, "U4", "datetime64[s]", "f16" if hasattr(np, "float128") else "V8"):
+        with pytest.raises(TypeError):
+            wire.dtype_code(np.dtype(bad))
+
+
+def test_array_view_without_copy() -> None:
+    array = np.arange(12, dtype=np.int16).reshape(3, 4)
+    payload = bytearray(array.tobytes())
+    view = wire.array_view(payload, "<i2", (3, 4))
+    np.testing.assert_array_equal(view, array)
+    view[0, 0] = 99  # writes through: no copy was made
+    assert payload[:2] == (99).to_bytes(2, "little")
+    assert wire.array_view(b"", "<f4", (0, 5)).shape == (0, 5)
+
+
+# ----------------------------------------------------------------------------------- the spec
+
+SPEC = (ROOT / "protocol" / "SPEC.md").read_text()
+
+
+def test_spec_agrees_with_the_code() -> None:
+    kinds = {int(v): n for v, n in re.findall(r"^\| (\d+)\s+\| `([A-Z0-9]+)`", SPEC, re.M)}
+    assert kinds == {int(k): k.name for k in FrameKind}
+    dtypes = set(re.findall(r"\| `(?:\\\|)?([<|]?[a-z]\d+)`", SPEC))
+    documented = {d if d.startswith("<") else "|" + d for d in dtypes}
+    assert documented == set(wire.SUPPORTED_DTYPES)
+    for number in ("65536", "2^32", "2^40"):
+        assert number in SPEC
+    assert wire.MAX_HEADER_BYTES == 65536
+    assert wire.DEFAULT_MAX_PAYLOAD_BYTES == 1 << 32
+    assert wire.ABSOLUTE_MAX_PAYLOAD_BYTES == 1 << 40
+    assert "## Handshake" in SPEC and "## Rendezvous messages" in SPEC
+
+
+# ----------------------------------------------------------------------------------- fuzzing
+
+KIND_VALUES = sorted(int(k) for k in FrameKind)
+_scalars = (st.none() | st.booleans() | st.integers(-(1 << 64), 1 << 65) | st.floats()
+            | st.text(alphabet="gqstrdhcm<|f48 ", max_size=6) | st.binary(max_size=6))
+_values = st.recursive(_scalars, lambda c: st.lists(c, max_size=4)
+                       | st.dictionaries(st.sampled_from("gqstrdhcmx"), c, max_size=4),
+                       max_leaves=12)
+
+
+def _packable(obj: Any) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError):
+        return b"\xc0"
+
+
+# prefixes that pass the magic and version checks, so the rest of the decoder gets exercised
+_framed_junk = st.builds(
+    lambda kind, flags, hl, pl, rest: wire.PREFIX.pack(wire.MAGIC, 1, kind, flags, hl, pl) + rest,
+    st.sampled_from([*KIND_VALUES, 0, 99]), st.sampled_from([0, 0, 0, 1]),
+    st.integers(0, 300) | st.sampled_from([65536, 65537, U32]),
+    st.integers(0, 300) | st.sampled_from([1 << 32, (1 << 32) + 1, 1 << 40, U64]),
+    st.binary(max_size=400))
+# whole frames with a random msgpack header (random keys, types and values)
+_random_headers = st.builds(
+    lambda kind, header, payload, exact: raw_frame(
+        kind, _packable(header), payload,
+        payload_len=None if exact else len(payload) + 1),
+    st.sampled_from(KIND_VALUES),
+    st.dictionaries(st.sampled_from("gqstrdhcmx"), _values, max_size=9)
+    | st.fixed_dictionaries({k: st.integers(-2, 1 << 64) for k in "gqstr"},
+                            optional={"d": st.sampled_from(sorted(wire.SUPPORTED_DTYPES)),
+                                      "h": st.lists(st.integers(0, 4), max_size=3),
+                                      "c": _values, "m": _values}),
+    st.binary(max_size=64), st.booleans())
+ARBITRARY = st.one_of(st.binary(max_size=512), _framed_junk, _random_headers,
+                      st.lists(_random_headers, min_size=2, max_size=4).map(b"".join))
+
+
+@given(data=ARBITRARY, cuts=st.lists(st.integers(min_value=0), max_size=12))
+@FUZZ
+def test_arbitrary_bytes_give_frames_or_protocol_error(data: bytes, cuts: list[int]) -> None:
+    whole = outcome([data])
+    assert outcome(split(data, cuts)) == whole
+    for frame in whole[0]:  # whatever decodes is valid and re-encodes to a decodable frame
+        assert drive([wire.encode_frame_bytes(frame)]) == ([frame], None)
+
+
+_mutation = st.tuples(st.sampled_from(["flip", "insert", "delete"]), st.integers(min_value=0),
+                      st.integers(1, 255))
+
+
+def mutate(data: bytes, mutations: list[tuple[str, int, int]]) -> bytes:
+    buf = bytearray(data)
+    for op, pos, value in mutations:
+        i = pos % (len(buf) + 1)
+        if op == "insert":
+            buf.insert(i, value)
+        elif buf and op == "flip":
+            buf[i % len(buf)] ^= value
+        elif buf:
+            del buf[i % len(buf)]
+    return bytes(buf)
+
+
+@given(data=st.sampled_from(ALL_VALID_BYTES), mutations=st.lists(_mutation, min_size=1,
+                                                                  max_size=4),
+       cuts=st.lists(st.integers(min_value=0), max_size=12))
+@FUZZ
+def test_mutated_vectors_give_frames_or_protocol_error(data: bytes, mutations: list[Any],
+                                                        cuts: list[int]) -> None:
+    mutated = mutate(data, mutations)
+    whole = outcome([mutated])
+    assert outcome(split(mutated, cuts)) == whole
+    assert outcome(bytewise(mutated)) == whole
+
+
+# round trip: random valid frames
+_sig_values = st.recursive(
+    st.none() | st.integers(-(1 << 63), U64) | st.text(alphabet="abcxyz_<>|0123456789", max_size=8),
+    lambda c: st.lists(c, max_size=4), max_leaves=12)
+_meta_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), U64) | st.floats(allow_nan=False)
+    | st.text(alphabet="abcé €\u0000", max_size=8) | st.binary(max_size=8),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(alphabet="abc", max_size=3), c,
+                                                        max_size=3),
+    max_leaves=10)
+
+
+@st.composite
+def frames(draw: st.DrawFn) -> Frame:
+    kind = draw(st.sampled_from(list(FrameKind)))
+    dtype = shape = None
+    if kind in (FrameKind.DATA, FrameKind.P2P) or draw(st.booleans()):
+        dtype = draw(st.sampled_from(sorted(wire.SUPPORTED_DTYPES)))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    if kind in (FrameKind.DATA, FrameKind.P2P):
+        assert dtype is not None and shape is not None
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        payload = draw(st.binary(min_size=n, max_size=n))
+    else:
+        payload = draw(st.binary(max_size=16))
+    header = FrameHeader(
+        group=draw(st.integers(0, U64)), seq=draw(st.integers(0, U64)),
+        step=draw(st.integers(0, U32)), tag=draw(st.integers(0, (1 << 63) - 1)),
+        src=draw(st.integers(0, U32)), dtype=dtype, shape=shape,
+        sig=draw(st.none() | st.lists(_sig_values, max_size=5).map(tuplify)),
+        meta=draw(st.none() | st.dictionaries(st.text(alphabet="abcdef", max_size=6),
+                                              _meta_values, max_size=4)),
+    )
+    return Frame(kind, header, payload)
+
+
+@given(batch=st.lists(frames(), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(min_value=0), max_size=8))
+@FUZZ
+def test_round_trip(batch: list[Frame], cuts: list[int]) -> None:
+    data = b"".join(wire.encode_frame_bytes(f) for f in batch)
+    decoded = wire.decode_frames(data)
+    assert decoded == batch
+    assert b"".join(wire.encode_frame_bytes(f) for f in decoded) == data  # canonical: stable
+    assert drive(split(data, cuts)) == (batch, None)
+    for frame in decoded:
+        if frame.kind in (FrameKind.DATA, FrameKind.P2P):
+            assert frame.header.dtype is not None and frame.header.shape is not None
+            array = wire.array_view(frame.payload, frame.header.dtype, frame.header.shape)
+            assert array.tobytes() == frame.payload
+
+
+# ----------------------------------------------------------------------------------- memory
+
+def _peak_while(fn: Any) -> int:
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_huge_declared_payload_fails_without_allocating() -> None:
+    decoder = FrameDecoder(max_payload=MiB)
+    prefix = wire.PREFIX.pack(wire.MAGIC, 1, 1, 0, 30, 1 << 39)
+
+    def run() -> None:
+        decoder.feed(prefix)
+        with pytest.raises(ProtocolError, match="exceeds the limit"):
+            decoder.next_frame()
+
+    assert _peak_while(run) < 64 * 1024
+
+
+def test_accepted_payload_is_not_preallocated() -> None:
+    decoder = FrameDecoder(max_payload=1 << 30)
+    head = wire.encode_head(FrameKind.DATA, FrameHeader(dtype="|u1", shape=(1 << 30,)), 1 << 30)
+
+    def run() -> None:
+        decoder.feed(head)
+        assert decoder.next_frame() is NEED_DATA
+        decoder.feed(b"\x00" * 1000)
+        assert decoder.next_frame() is NEED_DATA
+
+    assert _peak_while(run) < 256 * 1024
+
+
+_big_claims = st.builds(
+    lambda kind, hl, pl, rest: wire.PREFIX.pack(wire.MAGIC, 1, kind, 0, hl, pl) + rest,
+    st.sampled_from(KIND_VALUES), st.integers(0, 1 << 17), st.integers(0, 1 << 41),
+    st.binary(max_size=2048))
+
+
+@given(data=st.one_of(_big_claims, ARBITRARY,
+                      st.builds(mutate, st.sampled_from(ALL_VALID_BYTES),
+                                st.lists(_mutation, max_size=3))),
+       cuts=st.lists(st.integers(min_value=0), max_size=16))
+@settings(FUZZ, max_examples=100)
+def test_memory_is_bounded_by_input(data: bytes, cuts: list[int]) -> None:
+    max_payload = MiB
+    chunks = split(data, cuts)
+    peak = _peak_while(lambda: drive(chunks, max_payload))
+    assert peak <= wire.MAX_HEADER_BYTES + max_payload + len(data) + MiB
