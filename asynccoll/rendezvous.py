@@ -199,7 +199,8 @@ class RendezvousServer:
         job: when not empty, clients announcing another job id are rejected.
         handshake_timeout: a connection that has not finished the handshake by then is dropped.
         max_value_bytes: largest value (frame payload) accepted; a larger frame drops the
-            connection that sent it.
+            connection that sent it. Announced to clients in WELCOME, so that a well-behaved
+            client refuses a larger value itself (``ValueError``) before sending it.
         send_timeout: a client that does not read its responses for this long is dropped.
 
     A connection that fails the handshake or breaks the protocol is closed and logged at
@@ -325,8 +326,9 @@ class RendezvousServer:
         abort = True
         try:
             try:
-                hs = await server_handshake(reader, writer, self._token, job=self._job,
-                                            timeout=self._handshake_timeout)
+                hs = await server_handshake(
+                    reader, writer, self._token, job=self._job, timeout=self._handshake_timeout,
+                    welcome_meta={"max_value_bytes": self._max_value_bytes})
             except (ProtocolError, TimeoutError) as exc:  # AuthenticationError included
                 logger.warning("rendezvous: dropped connection from %s: %s", peer, exc)
                 abort = isinstance(exc, TimeoutError)
@@ -668,11 +670,12 @@ class RendezvousClient:
     """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 timeout: float, max_value_bytes: int, address: str) -> None:
+                 timeout: float, max_value_bytes: int, send_limit: int, address: str) -> None:
         self._reader = reader
         self._writer = writer
         self._timeout = timeout
         self._max_value_bytes = max_value_bytes
+        self._send_limit = send_limit
         self._address = address
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any] | None, Any]]] = {}
@@ -695,7 +698,9 @@ class RendezvousClient:
 
         With ``connect_retry`` a refused connection is retried (with backoff) until ``timeout``
         has passed, since rank 0 may not have started its server yet. ``timeout`` is also the
-        default bound of every later call.
+        default bound of every later call. ``max_value_bytes`` bounds the values this client
+        accepts from the server; the values it sends are bounded by the server's limit, which
+        the server announces in WELCOME.
 
         Raises:
             AuthenticationError: the token (or job id) does not match the server's.
@@ -728,8 +733,8 @@ class RendezvousClient:
                 raise RendezvousError(f"could not connect to the rendezvous server at "
                                       f"{address}: {exc}") from exc
         try:
-            await client_handshake(reader, writer, token, role="client", rank=rank, job=job,
-                                   timeout=max(deadline - loop.time(), 0.001))
+            welcome = await client_handshake(reader, writer, token, role="client", rank=rank,
+                                             job=job, timeout=max(deadline - loop.time(), 0.001))
         except AuthenticationError:
             await _close_writer(writer, abort=True)
             raise
@@ -740,8 +745,11 @@ class RendezvousClient:
         except BaseException:
             await _close_writer(writer, abort=True)
             raise
+        send_limit = welcome.get("max_value_bytes")
+        if type(send_limit) is not int or send_limit < 0:
+            send_limit = max_value_bytes
         return cls(reader, writer, timeout=timeout, max_value_bytes=max_value_bytes,
-                   address=address)
+                   send_limit=send_limit, address=address)
 
     async def __aenter__(self) -> RendezvousClient:
         return self
@@ -803,9 +811,9 @@ class RendezvousClient:
                     wait_s: float | None = None) -> tuple[dict[str, Any], Any]:
         if self._error is not None:
             raise RendezvousError(self._error)
-        if len(payload) > self._max_value_bytes:
-            raise ValueError(f"value of {len(payload)} bytes exceeds max_value_bytes="
-                             f"{self._max_value_bytes}")
+        if len(payload) > self._send_limit:
+            raise ValueError(f"value of {len(payload)} bytes exceeds the server's "
+                             f"max_value_bytes={self._send_limit}")
         rid = next(self._ids)
         fut: asyncio.Future[tuple[dict[str, Any] | None, Any]] = (
             asyncio.get_running_loop().create_future())

@@ -14,6 +14,7 @@ import pytest
 
 import asynccoll
 from asynccoll import Communicator
+from asynccoll.tuning import RING, TREE, Tuning
 
 T = TypeVar("T")
 
@@ -42,3 +43,14 @@ def run() -> Callable[..., Awaitable[list[Any]]]:
 def backend(request: pytest.FixtureRequest) -> str:
     """Every backend of ``BACKENDS`` in turn."""
     return str(request.param)
+
+
+#: Algorithm presets: the default thresholds, then all bandwidth (ring / chain with 64-byte
+#: segments) and all latency (tree / recursive doubling / direct) algorithms.
+TUNINGS = {"default": None, "ring": RING, "tree": TREE}
+
+
+@pytest.fixture(params=list(TUNINGS), ids=list(TUNINGS))
+def tuning(request: pytest.FixtureRequest) -> Tuning | None:
+    """Every preset of ``TUNINGS`` in turn (``None`` is the default :class:`Tuning`)."""
+    return TUNINGS[request.param]

@@ -518,14 +518,14 @@ class _Served:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.result is not None
+        outcome: Any = None
         try:
-            hs = await server_handshake(reader, writer, self.token, **self.kwargs)
-            self.result.set_result(hs)
+            outcome = await server_handshake(reader, writer, self.token, **self.kwargs)
         except Exception as exc:
-            self.result.set_result(exc)
+            outcome = exc
         finally:
-            writer.close()
-            await writer.wait_closed()
+            await _close(writer)
+            self.result.set_result(outcome)  # only once the handler is all but finished
 
     async def outcome(self) -> Any:
         assert self.result is not None
@@ -635,45 +635,58 @@ async def test_stream_handshake_server_times_out_silent_client() -> None:
             await _close(writer)
 
 
-async def test_stream_handshake_client_times_out_silent_server() -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.read()
-        finally:
-            writer.close()
-            await writer.wait_closed()
+async def _one_shot_server(handler: Any) -> tuple[asyncio.Server, asyncio.Event]:
+    """A server whose single handler sets the returned event when it has finished."""
+    finished = asyncio.Event()
 
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    async def wrapped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handler(reader, writer)
+        finally:
+            await _close(writer)
+            finished.set()
+
+    return await asyncio.start_server(wrapped, "127.0.0.1", 0), finished
+
+
+async def _client_against(handler: Any, **kwargs: Any) -> None:
+    server, finished = await _one_shot_server(handler)
     try:
         reader, writer = await _open(server.sockets[0].getsockname()[1])
         try:
-            with pytest.raises(TimeoutError):
-                await client_handshake(reader, writer, "tok", role="client", timeout=0.2)
+            await client_handshake(reader, writer, "tok", role="client", **kwargs)
         finally:
             await _close(writer)
+            async with asyncio.timeout(2):
+                await finished.wait()
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_stream_handshake_client_times_out_silent_server() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    with pytest.raises(TimeoutError):
+        await _client_against(silent, timeout=0.2)
 
 
 async def test_stream_handshake_client_sees_garbage_server() -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"SSH-2.0-OpenSSH_9.6\r\n" + bytes(64))
         await writer.drain()
-        writer.close()
-        await writer.wait_closed()
 
-    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
-    try:
-        reader, writer = await _open(server.sockets[0].getsockname()[1])
-        try:
-            with pytest.raises(ProtocolError, match="magic"):
-                await client_handshake(reader, writer, "tok", role="client", timeout=2)
-        finally:
-            await _close(writer)
-    finally:
-        server.close()
-        await server.wait_closed()
+    with pytest.raises(ProtocolError, match="magic"):
+        await _client_against(garbage, timeout=2)
+
+
+async def test_stream_handshake_client_sees_server_hang_up() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(20)
+
+    with pytest.raises(ProtocolError, match="connection closed during the handshake"):
+        await _client_against(hang_up, timeout=2)
 
 
 def test_public_names() -> None:

@@ -12,13 +12,13 @@ import logging
 import re
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
 from asynccoll.errors import AuthenticationError, RendezvousError
-from asynccoll.handshake import client_handshake, read_frame, write_frame
+from asynccoll.handshake import client_handshake, read_frame, server_handshake, write_frame
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer, serve
 from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes
 
@@ -28,6 +28,43 @@ MAX_VALUE = 1 << 20
 
 
 # ----------------------------------------------------------------------------------- fixtures
+
+class LogWatch(logging.Handler):
+    """Collects the records of the ``asynccoll`` loggers; lets a test await a message."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._changed = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self._changed.set()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(r.getMessage() for r in self.records)
+
+    async def wait_for(self, pattern: str, within: float = 3.0) -> re.Match[str]:
+        async with asyncio.timeout(within):
+            while not (match := re.search(pattern, self.text)):
+                self._changed.clear()
+                await self._changed.wait()
+        return match
+
+
+@pytest.fixture
+def logs() -> Iterator[LogWatch]:
+    logger = logging.getLogger("asynccoll")
+    watch, level = LogWatch(), logger.level
+    logger.addHandler(watch)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield watch
+    finally:
+        logger.removeHandler(watch)
+        logger.setLevel(level)
+
 
 @pytest.fixture
 async def server() -> AsyncIterator[RendezvousServer]:
@@ -121,7 +158,7 @@ async def test_get_without_wait(client: RendezvousClient) -> None:
 async def test_get_timeout_is_server_error(client: RendezvousClient) -> None:
     loop = asyncio.get_running_loop()
     start = loop.time()
-    with pytest.raises(RendezvousError, match="timed out after 0.1 s waiting for key 'nope'"):
+    with pytest.raises(RendezvousError, match=r"timed out after 0\.1 s waiting for key 'nope'"):
         await client.get("nope", timeout=0.1)
     assert loop.time() - start < 2
     await client.set("after", b"ok")  # the connection is fine
@@ -274,7 +311,7 @@ async def test_generation_bump(server: RendezvousServer) -> None:
         # a waiter that names its generation wakes up on the bump and sees the new one
         stale = asyncio.create_task(a.roster(world_size=3, timeout=5, generation=0))
         # a waiter that does not keeps waiting for the new generation to fill up
-        fresh = asyncio.create_task(b.roster(world_size=2, timeout=5))
+        fresh = asyncio.create_task(b.roster(world_size=3, timeout=5))
         await asyncio.sleep(0.05)
         assert await b.bump_generation() == 1
         seen = await stale
@@ -283,7 +320,11 @@ async def test_generation_bump(server: RendezvousServer) -> None:
         assert not fresh.done()
         assert await a.join(0, "h", 1) == 1
         assert await b.join(1, "h", 2) == 1
-        assert (await fresh)["generation"] == 1
+        await asyncio.sleep(0.02)
+        assert not fresh.done()
+        assert await b.join(2, "h", 3) == 1
+        assert await fresh == {"generation": 1, "members": {0: ["h", 1, {}], 1: ["h", 2, {}],
+                                                            2: ["h", 3, {}]}}
         # a conditional bump happens once even if two ranks ask for it
         assert await a.bump_generation(expected=1) == 2
         assert await b.bump_generation(expected=1) == 2
@@ -311,19 +352,15 @@ async def test_roster_arguments_checked_before_sending(client: RendezvousClient)
 
 # ----------------------------------------------------------------------------------- auth
 
-async def test_wrong_token_cannot_connect(server: RendezvousServer,
-                                          caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="asynccoll")
+async def test_wrong_token_cannot_connect(server: RendezvousServer, logs: LogWatch) -> None:
     wrong = "wrong-token-do-not-leak"
     with pytest.raises(AuthenticationError) as info:
         await connect(server, token=wrong)
     assert wrong not in str(info.value) and TOKEN not in str(info.value)
     with pytest.raises(AuthenticationError):
         await connect(server, token=None)
-    async with asyncio.timeout(2):  # the server logs the drop
-        while "dropped connection" not in caplog.text:
-            await asyncio.sleep(0.01)
-    assert wrong not in caplog.text and TOKEN not in caplog.text
+    await logs.wait_for("dropped connection")  # the server logs the drop, without tokens
+    assert wrong not in logs.text and TOKEN not in logs.text
 
 
 async def test_job_mismatch_cannot_connect() -> None:
@@ -344,9 +381,7 @@ async def test_client_without_token_reaches_server_without_token() -> None:
 # ----------------------------------------------------------------------------------- attacks
 
 async def test_attacks_are_dropped_while_legit_client_works(
-        server: RendezvousServer, client: RendezvousClient,
-        caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="asynccoll.rendezvous")
+        server: RendezvousServer, client: RendezvousClient, logs: LogWatch) -> None:
     stop = asyncio.Event()
     done = 0
 
@@ -412,13 +447,12 @@ async def test_attacks_are_dropped_while_legit_client_works(
     # the legitimate client is unharmed
     assert await client.get("ops") == str(done).encode()
     assert await client.num_keys() == done + 1
-    dropped = [r for r in caplog.records if "dropped connection" in r.getMessage()]
+    dropped = [r for r in logs.records if "dropped connection" in r.getMessage()]
     assert len(dropped) >= len(attacks)
     assert all(r.levelno == logging.WARNING for r in dropped)
 
 
-async def test_handshake_timeout_drops_slowloris(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="asynccoll.rendezvous")
+async def test_handshake_timeout_drops_slowloris(logs: LogWatch) -> None:
     async with RendezvousServer(token=TOKEN, handshake_timeout=0.2) as srv:
         reader, writer = await raw_open(srv)
         try:
@@ -431,7 +465,7 @@ async def test_handshake_timeout_drops_slowloris(caplog: pytest.LogCaptureFixtur
             assert 0.15 < loop.time() - start < 2
         finally:
             await raw_close(writer)
-    assert "did not complete the handshake within 0.2 s" in caplog.text
+    assert "did not complete the handshake within 0.2 s" in logs.text
 
 
 async def test_bad_arguments_answered_connection_kept(server: RendezvousServer) -> None:
@@ -473,20 +507,17 @@ async def test_unknown_op_from_client_is_rendezvous_error(client: RendezvousClie
     assert await client.num_keys() == 0
 
 
-async def test_client_that_does_not_read_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="asynccoll.rendezvous")
+async def test_client_that_does_not_read_is_dropped(logs: LogWatch) -> None:
     async with RendezvousServer(token=TOKEN, send_timeout=0.3,
                                 max_value_bytes=4 << 20) as srv:
         async with await connect(srv, max_value_bytes=4 << 20) as c:
             await c.set("big", bytes(4 << 20))
-            reader, writer = await authenticated_raw(srv)
+            _, writer = await authenticated_raw(srv)
             try:
                 for rid in range(64):  # 256 MiB of answers it never reads
                     writer.write(request(rid, "get", key="big"))
                 await writer.drain()
-                async with asyncio.timeout(5):
-                    while "did not read its responses" not in caplog.text:
-                        await asyncio.sleep(0.02)
+                await logs.wait_for("did not read its responses", within=5)
             finally:
                 writer.transport.abort()
                 await raw_close(writer)
@@ -532,15 +563,15 @@ async def test_client_close_fails_its_pending_calls(client: RendezvousClient) ->
 
 
 async def test_client_times_out_when_server_never_answers() -> None:
-    from asynccoll.handshake import server_handshake
+    finished = asyncio.Event()
 
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await server_handshake(reader, writer, TOKEN, timeout=2)
             await reader.read()  # swallows requests, answers nothing
         finally:
-            writer.close()
-            await writer.wait_closed()
+            await raw_close(writer)
+            finished.set()
 
     fake = await asyncio.start_server(mute, "127.0.0.1", 0)
     try:
@@ -549,6 +580,8 @@ async def test_client_times_out_when_server_never_answers() -> None:
                                                   timeout=0.2) as c:
             with pytest.raises(RendezvousError, match="no answer"):
                 await c.num_keys()
+        async with asyncio.timeout(2):
+            await finished.wait()
     finally:
         fake.close()
         await fake.wait_closed()
@@ -618,15 +651,11 @@ async def test_server_properties_and_double_start() -> None:
             await srv.start()
 
 
-async def test_serve_logs_address_and_runs_until_cancelled(
-        caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="asynccoll.rendezvous")
+async def test_serve_logs_address_and_runs_until_cancelled(logs: LogWatch) -> None:
     task = asyncio.create_task(serve("127.0.0.1", 0, TOKEN))
     try:
-        async with asyncio.timeout(3):
-            while not (m := re.search(r"listening on 127\.0\.0\.1:(\d+)", caplog.text)):
-                await asyncio.sleep(0.01)
-        port = int(m.group(1))
+        match = await logs.wait_for(r"listening on 127\.0\.0\.1:(\d+)")
+        port = int(match.group(1))
         async with await RendezvousClient.connect("127.0.0.1", port, token=TOKEN,
                                                   timeout=2) as c:
             await c.set("k", b"v")

@@ -90,8 +90,8 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- asyncio callbacks ----------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+    def connection_made(self, transport: Any) -> None:
+        # uvloop's transports implement asyncio.Transport's interface without subclassing it
         self.transport = transport
         _tune_socket(transport.get_extra_info("socket"))
         # pause as soon as anything is buffered, resume when everything reached the kernel:
@@ -319,7 +319,8 @@ class TcpTransport(Transport):
                 lambda: _Connection(self, dst=dst), host, port), self.handshake_timeout)
             await asyncio.wait_for(asyncio.shield(conn.ready), self.handshake_timeout)
         except (OSError, ConnectionError, TimeoutError) as exc:
-            raise PeerLostError(f"cannot connect to world rank {dst} at {host}:{port}: {exc}",
+            why = str(exc) or type(exc).__name__
+            raise PeerLostError(f"cannot connect to world rank {dst} at {host}:{port}: {why}",
                                 rank=dst) from None
         except AuthenticationError as exc:
             raise CollectiveError(f"world rank {dst} at {host}:{port} refused us: {exc}") from None

@@ -1,0 +1,226 @@
+"""``asynccoll bench``: an nccl-tests-style table per collective.
+
+Columns: size (bytes per rank's buffer, as nccl-tests counts it), count (elements), dtype,
+time (us, the slowest rank's mean per operation), algbw = size / time and busbw = algbw x the
+op's bus factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
+broadcast 1), in GB/s.
+
+Runs its ranks itself (``-n N``: processes through the launcher for ``tcp``, coroutines for
+``memory``) or joins a world started by ``asynccoll run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier")
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    for suffix, mult in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if text.endswith(suffix) or text.endswith(suffix + "B"):
+            return int(float(text.rstrip("B")[:-1]) * mult)
+    return int(text.rstrip("B"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="tcp", choices=("tcp", "memory", "nccl", "mpi"))
+    p.add_argument("-n", "--nproc", dest="n", type=int, default=None,
+                   help="ranks to start (omit under `asynccoll run`)")
+    p.add_argument("--op", default="all_reduce",
+                   help=f"comma-separated ops or 'all' ({', '.join(OPS)})")
+    p.add_argument("--min-bytes", type=_size, default=8, help="smallest size (e.g. 8, 64K)")
+    p.add_argument("--max-bytes", type=_size, default=64 << 20, help="largest size (e.g. 64M)")
+    p.add_argument("--factor", type=int, default=8, help="size multiplier between rows")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--iters", type=int, default=0, help="timed iterations (0: by size)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also plot busbw against size (needs matplotlib)")
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    sizes, s = [], max(1, args.min_bytes)
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= max(2, args.factor)
+    return sizes
+
+
+def bus_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def _iters_for(nbytes: int, fixed: int) -> int:
+    if fixed:
+        return fixed
+    return max(3, min(200, (256 << 20) // max(nbytes, 1 << 16)))
+
+
+async def measure(comm: Any, op: str, nbytes: int, dtype: str, iters: int, warmup: int
+                  ) -> dict[str, Any]:
+    """Time ``op`` on ``nbytes`` per rank; every rank must call it. Returns a table row."""
+    n = comm.world_size
+    dt = np.dtype(dtype)
+    count = max(1, nbytes // dt.itemsize)
+    if op in ("all_gather",):
+        count = max(1, count // n)  # nccl-tests: size is the gathered output
+    if op == "all_to_all":
+        per = max(1, count // n)
+        count = per * n
+    a = np.zeros(count, dt)
+    parts = [np.zeros(max(1, count // n), dt) for _ in range(n)]
+
+    async def once() -> None:
+        if op == "all_reduce":
+            await comm.all_reduce(a)
+        elif op == "all_gather":
+            await comm.all_gather(a)
+        elif op == "reduce_scatter":
+            await comm.reduce_scatter(a)
+        elif op == "broadcast":
+            await comm.broadcast(a, root=0)
+        elif op == "all_to_all":
+            await comm.all_to_all(parts)
+        elif op == "barrier":
+            await comm.barrier()
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    for _ in range(warmup):
+        await once()
+    await comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        await once()
+    elapsed = (time.perf_counter() - t0) / iters
+    worst = np.array([elapsed])
+    from .ops import ReduceOp
+
+    await comm.all_reduce(worst, op=ReduceOp.MAX)
+    t = float(worst[0])
+    size = count * dt.itemsize * (n if op == "all_gather" else 1)
+    if op == "barrier":
+        size = 0
+    algbw = size / t / 1e9 if t > 0 else 0.0
+    return {"op": op, "size": size, "count": count, "dtype": dt.name, "time_us": t * 1e6,
+            "algbw": algbw, "busbw": algbw * bus_factor(op, n), "ranks": n,
+            "backend": comm.backend}
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return (f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {row['time_us']:>11.1f}"
+            f" {row['algbw']:>8.3f} {row['busbw']:>8.3f}")
+
+
+HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'time(us)':>11} {'algbw':>8} "
+          f"{'busbw':>8}   (GB/s)")
+
+
+async def run_all(comm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    ops = OPS if args.op == "all" else tuple(o.strip() for o in args.op.split(","))
+    for op in ops:
+        if op not in OPS:
+            raise SystemExit(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+    rows = []
+    for op in ops:
+        if comm.rank == 0 and not args.json:
+            print(f"# {op}, {comm.world_size} ranks, backend {comm.backend}", flush=True)
+            print(HEADER, flush=True)
+        for nbytes in (_sizes(args) if op != "barrier" else [0]):
+            row = await measure(comm, op, nbytes, args.dtype, _iters_for(nbytes, args.iters),
+                                args.warmup)
+            rows.append(row)
+            if comm.rank == 0:
+                print(json.dumps(row) if args.json else format_row(row), flush=True)
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("--plot needs matplotlib (pip install matplotlib)\n")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        pts = [r for r in rows if r["op"] == op and r["size"]]
+        if pts:
+            ax.plot([r["size"] for r in pts], [r["busbw"] for r in pts], marker="o", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+async def _in_world(args: argparse.Namespace) -> int:
+    import asynccoll
+
+    comm = await asynccoll.init(backend=args.backend)
+    async with comm:
+        rows = await run_all(comm, args)
+    if comm.rank == 0 and args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+async def _local(args: argparse.Namespace) -> int:
+    import asynccoll
+
+    results = await asynccoll.run_local(lambda c: run_all(c, args), args.n, args.backend,
+                                        timeout=600)
+    if args.plot:
+        plot(results[0], args.plot)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from .cli import _Launcher, _run_loop
+
+    under_launcher = "ASYNCCOLL_RANK" in os.environ or "RANK" in os.environ
+    if args.backend == "memory":
+        if args.n is None:
+            args.n = 2
+        return int(_run_loop(_local(args)))
+    if under_launcher and args.n is None:
+        return int(_run_loop(_in_world(args)))
+    if args.n is None:
+        sys.stderr.write("asynccoll bench: give -n N, or start it with `asynccoll run`\n")
+        return 2
+    argv = [a for a in sys.argv[1:]]
+    # drop "-n N" / "--nproc N" so the children join the launcher's world
+    cleaned: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("-n", "--nproc"):
+            skip = True
+            continue
+        if a.startswith("--nproc=") or (a.startswith("-n") and a[2:].isdigit()):
+            continue
+        cleaned.append(a)
+    launcher = _Launcher(args.n, [sys.executable, "-m", "asynccoll", *cleaned],
+                         addr="127.0.0.1", port=0, token=os.urandom(16).hex(), bind="127.0.0.1")
+    return int(_run_loop(launcher.main()))
