@@ -1,0 +1,736 @@
+"""Every collective of API.md against an independent NumPy computation.
+
+Parametrised over backends (``conftest.BACKENDS``), world sizes and algorithm presets
+(default thresholds, ``RING``: ring / chain with 64-byte segments, ``TREE``: recursive doubling
+/ binomial tree / direct), so each algorithm of a collective runs at every world size. Inputs
+are derived deterministically from (seed, rank); the expected value is computed here with NumPy
+over all ranks' inputs. Integer-valued floats keep reductions exact, whatever the order the
+algorithm combines in, so results are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose, assert_array_equal
+
+from asynccoll import CollectiveError, Communicator, ReduceOp
+
+WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+MULTI = [2, 3, 4, 5, 8]  # world sizes for calls that need a peer
+
+INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+FLOAT_DTYPES = ["float16", "float32", "float64"]
+COMPLEX_DTYPES = ["complex64", "complex128"]
+ALL_DTYPES = ["bool", *INT_DTYPES, *FLOAT_DTYPES, *COMPLEX_DTYPES]
+
+UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.AVG: np.add,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def ops_for(dtype: str) -> list[ReduceOp]:
+    """The ops the contract allows for ``dtype``."""
+    kind = np.dtype(dtype).kind
+    ops = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX]
+    if kind in "fc":
+        ops.append(ReduceOp.AVG)
+    if kind in "biu":
+        ops += [ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR]
+    return ops
+
+
+def make_input(dtype: str, shape: tuple[int, ...], seed: int, rank: int,
+               op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+    """Deterministic input of ``rank``: full-range integers (wrap-around arithmetic is exact
+    in any order), small integer-valued floats (exact sums; PROD factors in +-1, +-2)."""
+    rng = np.random.default_rng([seed, rank])
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        a = rng.integers(0, 2, size=shape).astype(bool)
+    elif dt.kind in "iu":
+        info = np.iinfo(dt)
+        a = rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
+    else:
+        if op is ReduceOp.PROD:
+            real = rng.choice([-2.0, -1.0, 1.0, 2.0], size=shape)
+            imag = rng.choice([-1.0, 0.0, 1.0], size=shape)
+        else:
+            real = rng.integers(-8, 9, size=shape).astype(np.float64)
+            imag = rng.integers(-8, 9, size=shape).astype(np.float64)
+        a = real + 1j * imag if dt.kind == "c" else real
+    return np.array(a, dtype=dt)
+
+
+def reference(op: ReduceOp, arrays: list[np.ndarray]) -> np.ndarray:
+    """``op`` over the stacked rank inputs, in their dtype."""
+    dt, shape = arrays[0].dtype, arrays[0].shape
+    stacked = np.stack([a.reshape(-1) for a in arrays])
+    out = UFUNCS[op].reduce(stacked, axis=0, dtype=dt)
+    out = np.array(out, dtype=dt)
+    if op is ReduceOp.AVG:
+        np.divide(out, len(arrays), out=out)
+    return out.reshape(shape)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def assert_exact(actual: Any, expected: np.ndarray, what: str = "") -> None:
+    assert isinstance(actual, np.ndarray), f"{what}: got {type(actual).__name__}"
+    assert_array_equal(actual, expected, err_msg=what, strict=True)
+
+
+# ------------------------------------------------------------------------------- all_reduce
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_all_reduce_every_op_and_dtype(run, backend, tuning, world_size, dtype):
+    shape = (5, 7)  # 35 elements: not divisible by most world sizes
+    ops = ops_for(dtype)
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        out = []
+        for i, op in enumerate(ops):
+            a = make_input(dtype, shape, 100 + i, comm.rank, op)
+            res = await comm.all_reduce(a, op)
+            assert res is a, f"{op}: all_reduce must return its (in-place) input"
+            out.append(a)
+        return out
+
+    results = await run(fn, world_size, backend, tuning=tuning)
+    for i, op in enumerate(ops):
+        expected = reference(op, [make_input(dtype, shape, 100 + i, r, op)
+                                  for r in range(world_size)])
+        for r in range(world_size):
+            assert_exact(results[r][i], expected, f"{op} {dtype} rank {r}")
+            assert same_bits(results[r][i], results[0][i]), f"{op}: ranks 0 and {r} differ"
+
+
+def shapes_for(world_size: int) -> list[tuple[int, ...]]:
+    return [(), (0,), (0, 3), (1,), (7,), (1001,), (3, 5, 2), (4 * world_size + 1,),
+            (8192,), (8193,)]  # 64 KiB of float64 and just above: both sides of small_bytes
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_all_reduce_shapes(run, backend, tuning, world_size):
+    cases = [("int64", ReduceOp.SUM), ("float32", ReduceOp.MAX), ("float64", ReduceOp.AVG)]
+    shapes = shapes_for(world_size)
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        out = []
+        for (k, shape), (dtype, op) in itertools.product(enumerate(shapes), cases):
+            a = make_input(dtype, shape, k, comm.rank, op)
+            assert await comm.all_reduce(a, op) is a
+            out.append(a)
+        return out
+
+    results = await run(fn, world_size, backend, tuning=tuning)
+    for i, ((k, shape), (dtype, op)) in enumerate(itertools.product(enumerate(shapes), cases)):
+        expected = reference(op, [make_input(dtype, shape, k, r, op) for r in range(world_size)])
+        for r in range(world_size):
+            assert_exact(results[r][i], expected, f"{op} {dtype} {shape} rank {r}")
+            assert same_bits(results[r][i], results[0][i])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_all_reduce_random_floats_bit_identical_on_every_rank(run, backend, tuning,
+                                                                    world_size):
+    cases = [("float64", ReduceOp.SUM), ("float64", ReduceOp.PROD), ("float64", ReduceOp.MIN),
+             ("float64", ReduceOp.AVG), ("float32", ReduceOp.SUM), ("complex128", ReduceOp.SUM),
+             ("complex128", ReduceOp.PROD)]
+
+    def data(k: int, dtype: str, rank: int) -> np.ndarray:
+        rng = np.random.default_rng([7, k, rank])
+        a = rng.uniform(0.5, 1.5, 1001) + (1j * rng.uniform(-1, 1, 1001) if dtype[0] == "c" else 0)
+        return np.array(a, dtype=dtype)
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        return [await comm.all_reduce(data(k, dtype, comm.rank), op)
+                for k, (dtype, op) in enumerate(cases)]
+
+    results = await run(fn, world_size, backend, tuning=tuning)
+    for k, (dtype, op) in enumerate(cases):
+        expected = reference(op, [data(k, dtype, r) for r in range(world_size)])
+        for r in range(world_size):
+            assert_allclose(results[r][k], expected, rtol=1e-5 if dtype == "float32" else 1e-12)
+            assert same_bits(results[r][k], results[0][k]), f"{dtype} {op}: rank {r} differs"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+async def test_large_arrays_with_default_thresholds(run, backend, world_size):
+    """Ring all_reduce / reduce_scatter / all_gather and chain broadcast at default settings."""
+    n = (1 << 20) // 8 + 3  # a little over 1 MiB of float64: chain broadcast, several ring blocks
+
+    def data(rank: int) -> np.ndarray:
+        return np.arange(n, dtype=np.float64) % 97 + rank
+
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        total = sum(data(j) for j in range(w))
+        a = data(r)
+        assert_exact(await comm.all_reduce(a), total)
+        assert_exact(await comm.reduce_scatter(data(r)), np.array_split(total, w)[r])
+        got = await comm.all_gather(data(r)[: 10000 * (r + 1)])
+        assert_exact(got, np.concatenate([data(j)[: 10000 * (j + 1)] for j in range(w)]))
+        b = data(r) if r == 1 else np.zeros(n)
+        assert_exact(await comm.broadcast(b, root=1), data(1))
+        c = data(r)
+        res = await comm.reduce(c, root=w - 1, op=ReduceOp.MAX)
+        if r == w - 1:
+            assert_exact(res, data(w - 1))
+        else:
+            assert res is None
+            assert_exact(c, data(r))
+
+    await run(fn, world_size, backend)
+
+
+# ---------------------------------------------------------------------- reduce / broadcast
+
+REDUCE_CASES = [("float64", ReduceOp.SUM, (11,)), ("int32", ReduceOp.MAX, (3, 4)),
+                ("float32", ReduceOp.AVG, (1001,)), ("uint8", ReduceOp.BXOR, ()),
+                ("complex64", ReduceOp.PROD, (0,)), ("bool", ReduceOp.BOR, (9,)),
+                ("int16", ReduceOp.MIN, (2, 3, 5))]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_reduce_every_root(run, backend, tuning, world_size):
+    async def fn(comm: Communicator) -> None:
+        for root, (k, (dtype, op, shape)) in itertools.product(range(comm.world_size),
+                                                               enumerate(REDUCE_CASES)):
+            seed = 1000 * root + k
+            a = make_input(dtype, shape, seed, comm.rank, op)
+            before = a.copy()
+            res = await comm.reduce(a, root=root, op=op)
+            what = f"reduce {dtype} {op} root {root} rank {comm.rank}"
+            if comm.rank == root:
+                assert res is a, what
+                expected = reference(op, [make_input(dtype, shape, seed, j, op)
+                                          for j in range(comm.world_size)])
+                assert_exact(a, expected, what)
+            else:
+                assert res is None, what
+                assert same_bits(a, before), f"{what}: non-root input was modified"
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_broadcast_every_root(run, backend, tuning, world_size):
+    dtypes = ["bool", "int8", "uint64", "float16", "float64", "complex128"]
+    shapes = [(), (0,), (1001,), (3, 5, 2)]  # (1001,) takes ~16-250 segments of 64 B on RING
+
+    async def fn(comm: Communicator) -> None:
+        for root, (k, (dtype, shape)) in itertools.product(
+                range(comm.world_size), enumerate(itertools.product(dtypes, shapes))):
+            seed = 100 * root + k
+            mine = make_input(dtype, shape, seed, comm.rank)
+            expected = make_input(dtype, shape, seed, root)
+            res = await comm.broadcast(mine, root=root)
+            assert res is mine
+            assert_exact(mine, expected, f"broadcast {dtype} {shape} root {root}")
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+# ------------------------------------------------------------------ reduce_scatter / gathers
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_reduce_scatter(run, backend, tuning, world_size):
+    w = world_size
+    shapes = [(0,), (1, 3), (max(w - 1, 1), 2), (2 * w + 1, 3), (17,), (5, 0), (3 * w,),
+              (w + 1, 2, 2)]
+    cases = [("int64", ReduceOp.SUM), ("float64", ReduceOp.AVG), ("float32", ReduceOp.MIN),
+             ("uint16", ReduceOp.BXOR)]
+
+    async def fn(comm: Communicator) -> None:
+        for (k, shape), (dtype, op) in itertools.product(enumerate(shapes), cases):
+            a = make_input(dtype, shape, k, comm.rank, op)
+            before = a.copy()
+            got = await comm.reduce_scatter(a, op)
+            full = reference(op, [make_input(dtype, shape, k, j, op) for j in range(w)])
+            what = f"reduce_scatter {dtype} {op} {shape} rank {comm.rank}"
+            assert_exact(got, np.array_split(full, w)[comm.rank], what)
+            assert same_bits(a, before), f"{what}: input was modified"
+            assert got.flags.writeable
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_all_gather(run, backend, tuning, world_size):
+    # (dtype, rows of rank r, trailing axes)
+    cases: list[tuple[str, Callable[[int], int], tuple[int, ...]]] = [
+        ("int32", lambda r: 4, ()),
+        ("float64", lambda r: 3, (2, 2)),
+        ("float32", lambda r: r % 3, (2, 3)),  # zero rows on every third rank
+        ("complex64", lambda r: 2 * (r + 1), ()),
+        ("bool", lambda r: (r * 5) % 4, (3,)),
+        ("uint8", lambda r: 0, (3,)),  # nobody has rows
+        ("int16", lambda r: 1000 * (r % 2), ()),  # big and empty blocks mixed
+    ]
+
+    async def fn(comm: Communicator) -> None:
+        for k, (dtype, rows, trailing) in enumerate(cases):
+            def block(j: int) -> np.ndarray:
+                return make_input(dtype, (rows(j), *trailing), k, j)  # noqa: B023
+            got = await comm.all_gather(block(comm.rank))
+            expected = np.concatenate([block(j) for j in range(comm.world_size)], axis=0)
+            assert_exact(got, expected, f"all_gather {dtype} case {k} rank {comm.rank}")
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_all_gather_zero_size_trailing_axis(run, backend, tuning, world_size):
+    """Different axis-0 lengths of arrays that hold no bytes: the shape must still add up."""
+    async def fn(comm: Communicator) -> tuple[int, ...]:
+        got = await comm.all_gather(np.empty((comm.rank + 1, 0), np.float64))
+        return got.shape
+
+    shapes = await run(fn, world_size, backend, tuning=tuning)
+    total = sum(range(1, world_size + 1))
+    assert shapes == [(total, 0)] * world_size
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_gather_every_root(run, backend, tuning, world_size):
+    cases = [("float64", (3, 2)), ("int8", (2,)), ("complex128", ()), ("bool", (0, 4))]
+
+    async def fn(comm: Communicator) -> None:
+        for root, (k, (dtype, shape)) in itertools.product(range(comm.world_size),
+                                                           enumerate(cases)):
+            seed = 10 * root + k
+            got = await comm.gather(make_input(dtype, shape, seed, comm.rank), root=root)
+            if comm.rank != root:
+                assert got is None
+                continue
+            assert isinstance(got, list) and len(got) == comm.world_size
+            for j, x in enumerate(got):
+                assert_exact(x, make_input(dtype, shape, seed, j), f"gather root {root} from {j}")
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+SCATTER_DTYPES = ["int16", "float64", "complex64", "uint16", "bool", "float16", "int64"]
+
+
+def p2p_array(src: int, dst: int, salt: int = 0) -> np.ndarray:
+    """A distinct array for the pair (src, dst): shape, dtype and values all depend on it."""
+    dtype = SCATTER_DTYPES[(src + 2 * dst + salt) % len(SCATTER_DTYPES)]
+    shape = (src + 1, dst) if (src + dst + salt) % 2 else (dst + salt % 3,)
+    values = (np.arange(int(np.prod(shape))) + 100 * src + 10 * dst + salt) % 120
+    return values.reshape(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_scatter_every_root(run, backend, tuning, world_size):
+    async def fn(comm: Communicator) -> None:
+        w = comm.world_size
+        for root in range(w):
+            if comm.rank == root:
+                arrays: Any = [p2p_array(root, j) for j in range(w)]
+            else:
+                arrays = None if root % 2 else []  # ignored on non-roots, whatever it is
+            got = await comm.scatter(arrays, root=root)
+            assert_exact(got, p2p_array(root, comm.rank), f"scatter root {root}")
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_all_to_all(run, backend, tuning, world_size):
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        for salt in range(3):
+            got = await comm.all_to_all([p2p_array(r, j, salt) for j in range(w)])
+            assert isinstance(got, list) and len(got) == w
+            for j in range(w):
+                assert_exact(got[j], p2p_array(j, r, salt), f"all_to_all {j} -> {r}")
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+# ------------------------------------------------------------------------ barrier and p2p
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_barrier_nobody_leaves_before_everyone_entered(run, backend, world_size):
+    rounds = 4
+    entered: list[list[float]] = [[] for _ in range(rounds)]
+    left: list[list[float]] = [[] for _ in range(rounds)]
+
+    async def fn(comm: Communicator) -> None:
+        for k in range(rounds):
+            # a different straggler every round
+            await asyncio.sleep(0.03 * ((comm.rank + k) % comm.world_size == 0))
+            await asyncio.sleep(0.002 * ((comm.rank * 3 + k) % comm.world_size))
+            entered[k].append(time.monotonic())
+            await comm.barrier()
+            left[k].append(time.monotonic())
+            assert len(entered[k]) == comm.world_size, (
+                f"rank {comm.rank} left barrier {k} while only {len(entered[k])} had entered")
+
+    await run(fn, world_size, backend)
+    for k in range(rounds):
+        assert min(left[k]) >= max(entered[k])
+
+
+@pytest.mark.parametrize("world_size", MULTI)
+async def test_send_recv(run, backend, world_size):
+    big_tag = (1 << 63) - 1
+
+    def typed(src: int) -> list[np.ndarray]:
+        return [np.array(1.5 - 2j * src, np.complex64),  # 0-d
+                np.arange(6, dtype=np.float16).reshape(2, 3) + src,
+                np.zeros((0, 4), bool),
+                np.arange(1001, dtype=np.uint64) * 3 + src]
+
+    def ordered(src: int, k: int) -> np.ndarray:
+        return np.full(k + 1, 10 * src + k, np.int64)
+
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        right, left = (r + 1) % w, (r - 1) % w
+        # several messages with one tag arrive in order; different tags are independent
+        for k in range(5):
+            assert await comm.send(ordered(r, k), right) is None
+        for k, a in enumerate(typed(r)):
+            await comm.send(a, right, tag=7 + k)
+        await comm.send(np.array([r]), right, tag=big_tag)
+        got = await comm.recv(left, tag=big_tag)  # the last one sent, received first
+        assert_exact(got, np.array([left]))
+        for k in reversed(range(len(typed(left)))):
+            assert_exact(await comm.recv(left, tag=np.int64(7 + k)), typed(left)[k])
+        for k in range(5):
+            assert_exact(await comm.recv(left), ordered(left, k))
+        # receives posted before the matching sends
+        recvs = asyncio.gather(*(comm.recv(left, tag=3) for _ in range(4)))
+        await asyncio.sleep(0.01)
+        for k in range(4):
+            await comm.send(ordered(r, k), right, tag=3)
+        for k, got in enumerate(await recvs):
+            assert_exact(got, ordered(left, k))
+        # a pair talks both ways with the same tag
+        if r == 0:
+            await comm.send(np.arange(3.0), w - 1, tag=11)
+            assert_exact(await comm.recv(w - 1, tag=11), np.arange(3.0) + 1)
+        elif r == w - 1:
+            await comm.send((await comm.recv(0, tag=11)) + 1, 0, tag=11)
+
+    await run(fn, world_size, backend)
+
+
+# -------------------------------------------------------------------------------- objects
+
+OBJECTS: list[Any] = [
+    {"a": [1, 2.5, None, "x", True], "nested": {"b": [{"c": None}, []], "k": -3}},
+    None,
+    "a string with ünïcødé",
+    [1, [2, [3, [4, {}]]]],
+    {"blob": b"\x00\x01\xff", "n": 2**40, "f": -0.25},
+    "x" * 100_000,  # bigger than the default small_bytes
+    [],
+    {},
+]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_broadcast_object(run, backend, tuning, world_size):
+    async def fn(comm: Communicator) -> None:
+        for root, obj in itertools.product(range(comm.world_size), OBJECTS):
+            mine = obj if comm.rank == root else {"ignored": comm.rank}
+            got = await comm.broadcast_object(mine, root=root)
+            assert got == obj
+        assert await comm.broadcast_object(root=comm.world_size - 1) is None
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_all_gather_object(run, backend, tuning, world_size):
+    def obj(k: int, rank: int) -> Any:
+        if k == 0:
+            return {"rank": rank, "data": list(range(rank)), "name": "r" * rank,
+                    "nested": {"none": None, "ok": rank % 2 == 0}}
+        if k == 1:
+            return None
+        if k == 2:
+            return OBJECTS[rank % len(OBJECTS)]  # very different sizes
+        return f"rank {rank}"
+
+    async def fn(comm: Communicator) -> None:
+        for k in range(4):
+            got = await comm.all_gather_object(obj(k, comm.rank))
+            assert got == [obj(k, j) for j in range(comm.world_size)]
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+# ---------------------------------------------------------------------------------- groups
+
+def some_members(world_size: int) -> list[int]:
+    """A permuted proper subset when there is one: [w-1, 1, 2, ..., w-2] (rank 0 left out)."""
+    if world_size == 1:
+        return [0]
+    if world_size == 2:
+        return [1]
+    return [world_size - 1, *range(1, world_size - 1)]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+async def test_new_group_renumbers_and_works(run, backend, tuning, world_size):
+    members = some_members(world_size)
+
+    async def fn(comm: Communicator) -> None:
+        sub = await comm.new_group(members)
+        if comm.rank not in members:
+            assert sub is None
+        else:
+            assert isinstance(sub, Communicator)
+            assert sub.rank == members.index(comm.rank)
+            assert sub.world_size == len(members)
+            a = np.array([comm.rank + 1.0, 2.0 ** comm.rank])
+            assert_exact(await sub.all_reduce(a),
+                         np.array([sum(m + 1.0 for m in members),
+                                   sum(2.0 ** m for m in members)]))
+            got = await sub.all_gather(np.array([comm.rank]))
+            assert_exact(got, np.array(members))  # in the new numbering's order
+            b = np.array([comm.rank, -1])
+            assert_exact(await sub.broadcast(b, root=0), np.array([members[0], -1]))
+            assert await sub.all_gather_object(comm.rank) == members
+            await sub.barrier()
+        # the world goes on, and a second group over everyone in reverse works too
+        assert_exact(await comm.all_reduce(np.array([1])), np.array([world_size]))
+        rev = await comm.new_group(list(reversed(range(world_size))))
+        assert rev is not None and rev.rank == world_size - 1 - comm.rank
+        assert_exact(await rev.all_gather(np.array([comm.rank])),
+                     np.arange(world_size)[::-1].copy())
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", MULTI)
+async def test_disjoint_subgroups_run_concurrently(run, backend, tuning, world_size):
+    evens, odds = list(range(0, world_size, 2)), list(range(1, world_size, 2))
+
+    async def fn(comm: Communicator) -> None:
+        g_even = await comm.new_group(evens)
+        g_odd = await comm.new_group(odds)
+        mine_members = evens if comm.rank % 2 == 0 else odds
+        sub = g_even if comm.rank % 2 == 0 else g_odd
+        other = g_odd if comm.rank % 2 == 0 else g_even
+        assert other is None and sub is not None
+        for k in range(5):
+            a = np.full(50 * (k + 1), comm.rank + k, np.int64)
+            expected = np.full(50 * (k + 1), sum(m + k for m in mine_members), np.int64)
+            got, gathered, _ = await asyncio.gather(
+                sub.all_reduce(a), sub.all_gather(np.array([comm.rank, k])), sub.barrier())
+            assert_exact(got, expected)
+            assert_exact(gathered, np.array([[m, k] for m in mine_members]).reshape(-1))
+        assert_exact(await comm.all_reduce(np.array([1.0])), np.array([float(world_size)]))
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 5, 8])
+async def test_nested_subgroup(run, backend, tuning, world_size):
+    outer = list(range(world_size - 1, 0, -1))  # [w-1, ..., 1]: rank 0 is not a member
+    inner = [len(outer) - 1, 0]  # numbered in `outer`: world ranks [1, w-1]
+    inner_world = [outer[i] for i in inner]
+
+    async def fn(comm: Communicator) -> None:
+        sub = await comm.new_group(outer)
+        if sub is None:
+            assert comm.rank == 0
+        else:
+            assert sub.rank == outer.index(comm.rank)
+            subsub = await sub.new_group(inner)
+            if comm.rank not in inner_world:
+                assert subsub is None
+            else:
+                assert subsub is not None
+                assert subsub.rank == inner_world.index(comm.rank)
+                assert subsub.world_size == 2
+                assert_exact(await subsub.all_gather(np.array([comm.rank])),
+                             np.array(inner_world))
+                assert_exact(await subsub.all_reduce(np.array([comm.rank])),
+                             np.array([sum(inner_world)]))
+            assert_exact(await sub.all_reduce(np.array([comm.rank])), np.array([sum(outer)]))
+        assert_exact(await comm.all_reduce(np.array([comm.rank])),
+                     np.array([sum(range(world_size))]))
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_new_group_with_different_member_lists_fails_everywhere(run, backend,
+                                                                      world_size):
+    async def fn(comm: Communicator) -> BaseException | None:
+        members = list(range(world_size))
+        if comm.rank == 0:
+            members.reverse()
+        try:
+            await comm.new_group(members)
+        except CollectiveError as exc:
+            return exc
+        return None
+
+    results = await run(fn, world_size, backend, timeout=30)
+    for r, exc in enumerate(results):
+        assert isinstance(exc, CollectiveError), f"rank {r} got {exc!r}"
+
+
+# ---------------------------------------------------------------- many collectives at once
+
+def _mixed_collectives(comm: Communicator) -> list[tuple[Coroutine[Any, Any, Any],
+                                                          Callable[[Any], None]]]:
+    """20 collectives (and p2p pairs) with their checks, the same sequence on every rank."""
+    w, r = comm.world_size, comm.rank
+    right, left = (r + 1) % w, (r - 1) % w
+    ranks = range(w)
+    items: list[tuple[Coroutine[Any, Any, Any], Callable[[Any], None]]] = []
+
+    def add(coro: Coroutine[Any, Any, Any], check: Callable[[Any], None]) -> None:
+        items.append((coro, check))
+
+    def eq(expected: Any) -> Callable[[Any], None]:
+        return lambda got: assert_exact(got, expected)
+
+    add(comm.all_reduce(np.full(7, r + 1.0)), eq(np.full(7, sum(j + 1.0 for j in ranks))))
+    add(comm.all_reduce(np.arange(1000, dtype=np.int32) + r, ReduceOp.MAX),
+        eq(np.arange(1000, dtype=np.int32) + w - 1))
+    add(comm.all_gather(np.full((r + 1, 2), r, np.int16)),
+        eq(np.concatenate([np.full((j + 1, 2), j, np.int16) for j in ranks])))
+    add(comm.broadcast(np.full(5, r, np.float32), root=1 % w), eq(np.full(5, 1 % w, np.float32)))
+    add(comm.barrier(), lambda got: None)
+    add(comm.send(np.array([r, 3]), right, tag=3), lambda got: None)
+    add(comm.recv(left, tag=3), eq(np.array([left, 3])))
+    add(comm.all_reduce(np.array(1 + 1j * r)), eq(np.array(w + 1j * sum(ranks))))
+    add(comm.reduce_scatter(np.arange(3 * w + 1, dtype=np.int64) * (r + 1)),
+        eq(np.array_split(np.arange(3 * w + 1, dtype=np.int64) * sum(j + 1 for j in ranks),
+                          w)[r]))
+    add(comm.broadcast(np.array([r % 2 == 0, True, r == w - 1]), root=w - 1),
+        eq(np.array([(w - 1) % 2 == 0, True, True])))
+    add(comm.all_reduce(np.full(33, float(r), np.float16)),
+        eq(np.full(33, float(sum(ranks)), np.float16)))
+    add(comm.gather(np.array([r, -r]), root=0),
+        lambda got: (assert_exact(np.stack(got), np.array([[j, -j] for j in ranks]))
+                     if r == 0 else None))
+    add(comm.all_gather_object({"r": r}), lambda got: None if got == [{"r": j} for j in ranks]
+        else pytest.fail(f"all_gather_object got {got}"))
+    add(comm.broadcast_object(f"from {r}", root=w // 2),
+        lambda got: None if got == f"from {w // 2}" else pytest.fail(f"got {got!r}"))
+    add(comm.all_to_all([np.array([r, j]) for j in ranks]),
+        lambda got: [assert_exact(got[j], np.array([j, r])) for j in ranks])
+    add(comm.scatter([np.array([j * 10]) for j in ranks] if r == 0 else None, root=0),
+        eq(np.array([r * 10])))
+    add(comm.all_reduce(np.full(100, 1 << (r % 8), np.uint8), ReduceOp.BXOR),
+        eq(np.full(100, np.bitwise_xor.reduce([1 << (j % 8) for j in ranks]), np.uint8)))
+    add(comm.send(np.arange(r + 2.0), right, tag=4), lambda got: None)
+    add(comm.recv(left, tag=4), eq(np.arange(left + 2.0)))
+    add(comm.reduce(np.full(3, r + 1), root=w - 1),
+        lambda got: (assert_exact(got, np.full(3, sum(j + 1 for j in ranks)))
+                     if r == w - 1 else None if got is None else pytest.fail("not None")))
+    add(comm.all_reduce(np.arange(20000.0) * r),  # ring above the default small_bytes
+        eq(np.arange(20000.0) * sum(ranks)))
+    return items
+
+
+@pytest.mark.parametrize("world_size", MULTI)
+async def test_many_collectives_in_flight(run, backend, tuning, world_size):
+    async def fn(comm: Communicator) -> None:
+        for _ in range(2):
+            items = _mixed_collectives(comm)
+            assert len(items) >= 20
+            results = await asyncio.gather(*(coro for coro, _ in items))
+            for (_, check), got in zip(items, results, strict=True):
+                check(got)
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", MULTI)
+async def test_world_and_subgroup_collectives_in_flight_together(run, backend, tuning,
+                                                                 world_size):
+    members = list(range(world_size - 1, -1, -2))  # every other rank, from the top
+
+    async def fn(comm: Communicator) -> None:
+        sub = await comm.new_group(members)
+        r = comm.rank
+        world_coros = [comm.all_reduce(np.full(10, r + 1)), comm.barrier(),
+                       comm.all_gather(np.array([r])), comm.all_reduce(np.arange(5000.0) + r)]
+        sub_coros = []
+        if sub is not None:
+            sub_coros = [sub.all_reduce(np.full(10, 100 + r)), sub.barrier(),
+                         sub.all_gather(np.array([r, r])), sub.broadcast(np.array([r]), root=0),
+                         sub.all_reduce(np.arange(5000.0) * r)]
+        got = await asyncio.gather(*world_coros, *sub_coros)
+        w = comm.world_size
+        assert_exact(got[0], np.full(10, sum(range(1, w + 1))))
+        assert_exact(got[2], np.arange(w))
+        assert_exact(got[3], np.arange(5000.0) * w + sum(range(w)))
+        if sub is not None:
+            assert_exact(got[4], np.full(10, sum(100 + m for m in members)))
+            assert_exact(got[6], np.repeat(np.array(members), 2))
+            assert_exact(got[7], np.array([members[0]]))
+            assert_exact(got[8], np.arange(5000.0) * sum(members))
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+# ----------------------------------------------------------------- fresh, unaliased results
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+async def test_returned_arrays_are_writable_and_do_not_alias(run, backend, tuning, world_size):
+    async def fn(comm: Communicator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        w, r = comm.world_size, comm.rank
+        inputs: list[np.ndarray] = []
+        outputs: list[np.ndarray] = []
+
+        def inp(a: np.ndarray) -> np.ndarray:
+            inputs.append(a)
+            return a
+
+        outputs.append(await comm.all_gather(inp(np.full((2, 3), r, np.float64))))
+        outputs.append(await comm.all_gather(inp(np.full((r + 1, 3), r, np.float64))))
+        outputs.append(await comm.reduce_scatter(inp(np.ones((2 * w, 2), np.int32))))
+        outputs.append(await comm.scatter(
+            [inp(np.full(4, j, np.int64)) for j in range(w)] if r == 0 else None, root=0))
+        outputs += await comm.all_to_all([inp(np.full(3, 10 * r + j, np.int32))
+                                          for j in range(w)])
+        gathered = await comm.gather(inp(np.full(3, r, np.float32)), root=w - 1)
+        if gathered is not None:
+            outputs += gathered
+        if w > 1:
+            await comm.send(inp(np.full(5, r, np.int16)), (r + 1) % w)
+            outputs.append(await comm.recv((r - 1) % w))
+        return inputs, outputs
+
+    results = await run(fn, world_size, backend, tuning=tuning)
+    inputs = [a for ins, _ in results for a in ins]
+    outputs = [a for _, outs in results for a in outs]
+    for a in outputs:
+        assert isinstance(a, np.ndarray) and a.flags.writeable and a.flags.c_contiguous
+        a[...] = a  # writing works
+    for i, a in enumerate(outputs):
+        for b in inputs:
+            assert not np.shares_memory(a, b), "a result aliases an input array"
+        for b in outputs[i + 1:]:
+            assert not np.shares_memory(a, b), "two results share memory"
