@@ -28,6 +28,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import msgpack
+
 from .errors import AuthenticationError, ProtocolError, RendezvousError
 from .handshake import client_handshake, read_frame, server_handshake, write_frame
 from .wire import Frame, FrameHeader, FrameKind
@@ -40,6 +42,8 @@ DEFAULT_MAX_VALUE_BYTES: Final = 64 << 20
 DEFAULT_WAIT_TIMEOUT: Final = 300.0
 #: Longest wait a request may ask for.
 MAX_WAIT_TIMEOUT: Final = 86400.0
+#: Longest error message a RESPONSE carries (longer ones are cut).
+MAX_ERROR_CHARS: Final = 1000
 #: Extra time a client waits for the answer to a blocking request beyond its ``timeout``.
 RESPONSE_GRACE: Final = 5.0
 
@@ -128,10 +132,12 @@ class Store:
         self.members.clear()
         return True, self.generation
 
-    def roster_map(self) -> dict[str, Any]:
-        return {"generation": self.generation,
-                "members": [[rank, m.host, m.port, m.meta] for rank, m in sorted(
-                    self.members.items())]}
+    def roster(self) -> tuple[dict[str, Any], bytes]:
+        """The ``roster`` result: meta, and the members as a msgpack array in the payload
+        (a large world would not fit the 64 KiB header)."""
+        members = [[rank, m.host, m.port, m.meta] for rank, m in sorted(self.members.items())]
+        return ({"generation": self.generation, "count": len(members)},
+                msgpack.packb(members, use_bin_type=True))
 
 
 # ----------------------------------------------------------------------------------- arguments
@@ -541,13 +547,13 @@ class RendezvousServer:
             return world_size is None or len(store.members) >= world_size
 
         if ready():
-            return store.roster_map(), b""
+            return store.roster()
 
         async def later() -> _Result:
             await self._bounded(
                 self._wait_until(("roster",), ready), timeout,
                 lambda: f"{world_size} ranks to join the roster (have {len(store.members)})")
-            return store.roster_map(), b""
+            return store.roster()
         return later
 
     def _op_generation(self, args: dict[str, Any], payload: bytes) -> _Result:
@@ -584,8 +590,11 @@ def _ok_response(rid: int, result: dict[str, Any], payload: bytes) -> Frame:
 
 
 def _error_response(rid: int, exc: _OpError) -> Frame:
+    message = str(exc)
+    if len(message) > MAX_ERROR_CHARS:  # keys are echoed: keep the header small
+        message = message[:MAX_ERROR_CHARS] + "..."
     return Frame(FrameKind.RESPONSE, FrameHeader(
-        meta={"id": rid, "ok": False, "error": str(exc), "code": exc.code}), b"")
+        meta={"id": rid, "ok": False, "error": message, "code": exc.code}), b"")
 
 
 def _peername(writer: asyncio.StreamWriter) -> str:
@@ -732,9 +741,11 @@ class RendezvousClient:
             except OSError as exc:
                 raise RendezvousError(f"could not connect to the rendezvous server at "
                                       f"{address}: {exc}") from exc
+        # A server that came up just before the deadline still gets a fair handshake.
+        budget = max(deadline - loop.time(), min(timeout, 5.0))
         try:
             welcome = await client_handshake(reader, writer, token, role="client", rank=rank,
-                                             job=job, timeout=max(deadline - loop.time(), 0.001))
+                                             job=job, timeout=budget)
         except AuthenticationError:
             await _close_writer(writer, abort=True)
             raise
@@ -756,6 +767,13 @@ class RendezvousClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+    @property
+    def local_address(self) -> tuple[str, int]:
+        """(host, port) of this end of the connection: an address of this machine that routes
+        to the rendezvous (what a rank advertises to its peers unless told otherwise)."""
+        sockname = self._writer.get_extra_info("sockname")
+        return str(sockname[0]), int(sockname[1])
 
     @property
     def closed(self) -> bool:
@@ -956,9 +974,15 @@ class RendezvousClient:
             args["generation"] = _check_int(generation, "generation", 0, _I64_MAX)
         t = _check_timeout(timeout, self._timeout)
         args["timeout"] = t
-        meta, _ = await self._call("roster", args,
-                                   wait_s=t if world_size is not None else None)
-        raw = self._field(meta, "members", list)
+        meta, payload = await self._call("roster", args,
+                                         wait_s=t if world_size is not None else None)
+        generation = self._field(meta, "generation", int)
+        try:
+            raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # msgpack raises many types for corrupt input
+            raise RendezvousError(f"malformed roster from the rendezvous server: {exc}") from None
+        if not isinstance(raw, list):
+            raise RendezvousError("malformed roster from the rendezvous server: not an array")
         members: dict[int, list[Any]] = {}
         for entry in raw:
             if (not isinstance(entry, list) or len(entry) != 4 or type(entry[0]) is not int
@@ -966,7 +990,7 @@ class RendezvousClient:
                     or not isinstance(entry[3], dict)):
                 raise RendezvousError("malformed roster entry from the rendezvous server")
             members[entry[0]] = [entry[1], entry[2], entry[3]]
-        return {"generation": self._field(meta, "generation", int), "members": members}
+        return {"generation": generation, "members": members}
 
     async def generation(self) -> int:
         """The current roster generation (starts at 0)."""

@@ -146,22 +146,25 @@ def _tuplify(value: Any) -> Any:
     return value
 
 
-def _too_deep(obj: Any) -> bool:
-    """Whether arrays and maps nest deeper than MAX_HEADER_DEPTH (checked without recursion)."""
-    stack = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, msgpack.ExtType):  # a namedtuple, but a scalar on the wire
-            continue
-        if isinstance(value, (list, tuple)):
-            children = list(value)
-        elif isinstance(value, dict):
-            children = [*value.keys(), *value.values()]
-        else:
-            continue
+def _too_deep(obj: Any, depth: int = 1) -> bool:
+    """Whether arrays and maps nest deeper than MAX_HEADER_DEPTH.
+
+    Recursion stops at the limit, so hostile input cannot exhaust the stack.
+    """
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, msgpack.ExtType):
         if depth > MAX_HEADER_DEPTH:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        for child in obj:
+            if isinstance(child, (list, tuple, dict)) and _too_deep(child, depth + 1):
+                return True
+    elif isinstance(obj, dict):
+        if depth > MAX_HEADER_DEPTH:
+            return True
+        for key, child in obj.items():
+            if isinstance(key, (list, tuple, dict)) and _too_deep(key, depth + 1):
+                return True
+            if isinstance(child, (list, tuple, dict)) and _too_deep(child, depth + 1):
+                return True
     return False
 
 

@@ -153,6 +153,8 @@ def noncanonical_frames() -> list[tuple[str, bytes, Frame]]:
         ("non_minimal_ints", raw_frame(
             4, b"\x85\xa1g\xcc\x00\xa1q\x00\xa1s\x00\xa1t\x00\xa1r\xcf" + (2).to_bytes(8, "big")),
          bye),
+        ("nil_optional_keys", raw_frame(
+            4, body(g=0, q=0, s=0, t=0, r=2, d=None, h=None, c=None, m=None)), bye),
         ("map16_header", raw_frame(
             4, b"\xde\x00\x05\xa1g\x00\xa1q\x00\xa1s\x00\xa1t\x00\xa1r\x02"), bye),
     ]

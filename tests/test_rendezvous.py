@@ -194,6 +194,15 @@ async def test_blocking_get_does_not_block_the_connection(client: RendezvousClie
     assert await pending == b"done"
 
 
+async def test_huge_key_in_error_message(client: RendezvousClient) -> None:
+    key = "k" * 60_000  # fits a request header; echoed in full it would not fit the response's
+    with pytest.raises(RendezvousError, match="timed out") as info:
+        await client.get(key, timeout=0.05)
+    assert len(str(info.value)) < 1100
+    await client.set(key, b"v")
+    assert await client.get(key) == b"v"
+
+
 async def test_wait(client: RendezvousClient) -> None:
     await client.wait([], timeout=0.1)
     await client.set("x", b"1")
@@ -294,6 +303,18 @@ async def test_roster_waits_for_world_size(server: RendezvousServer) -> None:
     finally:
         for c in clients:
             await c.close()
+
+
+async def test_large_roster(client: RendezvousClient) -> None:
+    # far more than a 64 KiB header could hold: the members travel in the payload
+    n = 3000
+    await asyncio.gather(*(client.join(r, f"node-{r:05d}.cluster.example.org", 20000 + r,
+                                       {"gpus": [0, 1, 2, 3], "zone": "eu-west"})
+                           for r in range(n)))
+    roster = await client.roster(world_size=n, timeout=5)
+    assert len(roster["members"]) == n
+    assert roster["members"][n - 1] == ["node-02999.cluster.example.org", 22999,
+                                        {"gpus": [0, 1, 2, 3], "zone": "eu-west"}]
 
 
 async def test_roster_timeout(client: RendezvousClient) -> None:
@@ -458,9 +479,9 @@ async def test_handshake_timeout_drops_slowloris(logs: LogWatch) -> None:
         try:
             loop = asyncio.get_running_loop()
             start = loop.time()
-            for byte in encode_frame_bytes(Frame(FrameKind.HELLO, FrameHeader()))[:10]:
+            for byte in encode_frame_bytes(Frame(FrameKind.HELLO, FrameHeader()))[:3]:
                 writer.write(bytes([byte]))  # one byte at a time, never finishing
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.04)
             await closed_by_server(reader, within=2)
             assert 0.15 < loop.time() - start < 2
         finally:

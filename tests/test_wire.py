@@ -10,10 +10,12 @@ what was received rather than what a prefix claims.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import re
 import tracemalloc
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,8 @@ def frame_from_json(vector: dict[str, Any]) -> Frame:
                  bytes.fromhex(vector["payload_hex"]))
 
 
-def drive(chunks: list[bytes], max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES
+def drive(chunks: Sequence[bytes | bytearray | memoryview],
+          max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
           ) -> tuple[list[Frame], ProtocolError | None]:
     """Feed ``chunks`` then EOF, collecting frames; return them and the ProtocolError, if any.
 
@@ -106,7 +109,7 @@ def bytewise(data: bytes) -> list[bytes]:
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:], strict=False) if b > a]
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
 
 
 def outcome(chunks: list[bytes], max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES
@@ -140,7 +143,8 @@ def test_vector_file_shape() -> None:
 
 
 def test_vectors_are_up_to_date() -> None:
-    spec = importlib.util.spec_from_file_location("make_vectors", ROOT / "protocol" / "make_vectors.py")
+    path = ROOT / "protocol" / "make_vectors.py"
+    spec = importlib.util.spec_from_file_location("make_vectors", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -270,7 +274,7 @@ def test_payload_length_is_checked_before_the_payload_arrives() -> None:
 
 def test_encode_frame_passes_the_payload_through() -> None:
     array = np.arange(6, dtype=np.float32)
-    view = memoryview(array).cast("B")
+    view = array.data.cast("B")
     frame = Frame(FrameKind.DATA, FrameHeader(dtype="<f4", shape=(6,)), view)
     buffers = wire.encode_frame(frame)
     assert len(buffers) == 2 and buffers[1] is view

@@ -1,0 +1,593 @@
+"""Errors, never hangs: bad arguments, disagreeing ranks, timeouts, cancellation, closing.
+
+Every test is parametrised over ``conftest.BACKENDS``. Where a bound on time is asserted, the
+communicator timeout is far above it (30 s), so only the mechanism under test can meet it, and
+an outer guard turns a hang into a quick failure instead of a frozen test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.testing import assert_array_equal
+
+from asynccoll import (
+    CollectiveError,
+    CollectiveTimeout,
+    Communicator,
+    CommunicatorClosedError,
+    PeerLostError,
+    ReduceOp,
+)
+from conftest import BACKENDS, run_world
+
+LONG_TIMEOUT = 30.0  # communicator timeout where something else must fire first
+PROMPT = 1.0  # seconds within which a failure must reach every rank
+GUARD = 2.5  # a world still blocked after this long is reported as a hang
+
+
+@dataclass
+class Outcome:
+    """What one rank's call ended with, and when."""
+
+    value: Any = None
+    error: BaseException | None = None
+    elapsed: float = 0.0
+
+
+async def outcome(aw: Awaitable[Any]) -> Outcome:
+    t0 = time.monotonic()
+    try:
+        value = await aw
+    except (Exception, asyncio.CancelledError) as exc:
+        return Outcome(error=exc, elapsed=time.monotonic() - t0)
+    return Outcome(value=value, elapsed=time.monotonic() - t0)
+
+
+async def guarded(fn: Callable[[Communicator], Awaitable[Any]], world_size: int, backend: str,
+                  **kw: Any) -> list[Any]:
+    """``run_world`` that fails the test (instead of waiting for the communicator timeout) when
+    the world is still blocked after ``GUARD`` seconds."""
+    kw.setdefault("timeout", LONG_TIMEOUT)
+    try:
+        async with asyncio.timeout(GUARD):
+            return await run_world(fn, world_size, backend, **kw)
+    except TimeoutError:
+        pytest.fail(f"ranks still blocked after {GUARD} s (hang until the communicator timeout)")
+
+
+# ------------------------------------------------------------------------- bad arguments
+
+Call = Callable[[Communicator], Coroutine[Any, Any, Any]]
+
+
+@dataclass
+class Bad:
+    """A call with a bad argument: ``who`` makes it ("all" ranks or only rank "0")."""
+
+    id: str
+    call: Call
+    exc: type[Exception]
+    who: str = "all"
+    min_ws: int = 1
+
+
+def _right(comm: Communicator) -> int:
+    return (comm.rank + 1) % comm.world_size
+
+
+def _ro(shape: tuple[int, ...] = (4,)) -> np.ndarray:
+    a = np.zeros(shape)
+    a.flags.writeable = False
+    return a
+
+
+STRIDED = np.arange(20.0)[::2]
+FORTRAN = np.asfortranarray(np.ones((3, 4)))
+UNSUPPORTED = {"object": np.array([1, "a"], dtype=object),
+               "datetime64": np.array(["2024-01-01"], dtype="datetime64[D]"),
+               "str": np.array(["abc"]),
+               "structured": np.zeros(2, dtype=[("a", "i4"), ("b", "f8")])}
+if hasattr(np, "float128") and np.dtype(np.longdouble).itemsize > 8:
+    UNSUPPORTED["float128"] = np.zeros(3, dtype=np.longdouble)
+
+BAD: list[Bad] = [
+    # TypeError: arrays that cannot travel
+    Bad("all_reduce-strided", lambda c: c.all_reduce(STRIDED.copy()[::2]), TypeError),
+    Bad("all_reduce-fortran", lambda c: c.all_reduce(FORTRAN.copy(order="F")), TypeError),
+    Bad("broadcast-strided", lambda c: c.broadcast(np.arange(10.0)[::3]), TypeError),
+    Bad("reduce-strided", lambda c: c.reduce(np.arange(10.0)[::3]), TypeError),
+    Bad("all_gather-strided", lambda c: c.all_gather(STRIDED), TypeError),
+    Bad("reduce_scatter-fortran", lambda c: c.reduce_scatter(FORTRAN), TypeError),
+    Bad("gather-strided", lambda c: c.gather(STRIDED), TypeError),
+    Bad("scatter-strided", lambda c: c.scatter([STRIDED] * c.world_size), TypeError, who="0"),
+    Bad("all_to_all-strided", lambda c: c.all_to_all([STRIDED] * c.world_size), TypeError),
+    Bad("send-strided", lambda c: c.send(STRIDED, _right(c)), TypeError, min_ws=2),
+    Bad("all_reduce-list", lambda c: c.all_reduce([1.0, 2.0]), TypeError),
+    Bad("broadcast-list", lambda c: c.broadcast([1, 2]), TypeError),
+    Bad("all_gather-tuple", lambda c: c.all_gather((1, 2)), TypeError),
+    Bad("send-list", lambda c: c.send([1, 2], _right(c)), TypeError, min_ws=2),
+    Bad("all_reduce-scalar", lambda c: c.all_reduce(np.float64(1.0)), TypeError),
+    *(Bad(f"all_reduce-{name}", lambda c, a=a: c.all_reduce(a.copy()), TypeError)
+      for name, a in UNSUPPORTED.items()),
+    *(Bad(f"all_gather-{name}", lambda c, a=a: c.all_gather(a), TypeError)
+      for name, a in UNSUPPORTED.items()),
+    Bad("send-object", lambda c: c.send(UNSUPPORTED["object"], _right(c)), TypeError, min_ws=2),
+    # TypeError: ops that do not fit
+    Bad("avg-int", lambda c: c.all_reduce(np.ones(3, np.int32), ReduceOp.AVG), TypeError),
+    Bad("avg-bool", lambda c: c.all_reduce(np.ones(3, bool), ReduceOp.AVG), TypeError),
+    Bad("band-float", lambda c: c.all_reduce(np.ones(3), ReduceOp.BAND), TypeError),
+    Bad("bor-complex", lambda c: c.all_reduce(np.ones(3, np.complex64), ReduceOp.BOR),
+        TypeError),
+    Bad("bxor-float16", lambda c: c.reduce(np.ones(3, np.float16), op=ReduceOp.BXOR),
+        TypeError),
+    Bad("avg-int-reduce_scatter",
+        lambda c: c.reduce_scatter(np.ones(4, np.int64), ReduceOp.AVG), TypeError),
+    Bad("op-string", lambda c: c.all_reduce(np.ones(3), "sum"), TypeError),
+    Bad("op-ufunc", lambda c: c.all_reduce(np.ones(3), np.add), TypeError),
+    Bad("op-int", lambda c: c.reduce(np.ones(3), 0, 0), TypeError),
+    Bad("op-none", lambda c: c.reduce_scatter(np.ones(3), None), TypeError),
+    # ValueError: ranks out of range
+    Bad("broadcast-root-high", lambda c: c.broadcast(np.ones(3), root=c.world_size), ValueError),
+    Bad("broadcast-root-negative", lambda c: c.broadcast(np.ones(3), root=-1), ValueError),
+    Bad("reduce-root-high", lambda c: c.reduce(np.ones(3), root=c.world_size + 5), ValueError),
+    Bad("gather-root-negative", lambda c: c.gather(np.ones(3), root=-1), ValueError),
+    Bad("scatter-root-high", lambda c: c.scatter(None, root=c.world_size), ValueError),
+    Bad("broadcast_object-root-high",
+        lambda c: c.broadcast_object("x", root=c.world_size), ValueError),
+    Bad("send-dst-high", lambda c: c.send(np.ones(3), c.world_size), ValueError),
+    Bad("send-dst-negative", lambda c: c.send(np.ones(3), -1), ValueError),
+    Bad("recv-src-high", lambda c: c.recv(c.world_size), ValueError),
+    Bad("recv-src-negative", lambda c: c.recv(-1), ValueError),
+    # ValueError: tags
+    Bad("send-tag-negative", lambda c: c.send(np.ones(3), _right(c), tag=-1), ValueError,
+        min_ws=2),
+    Bad("send-tag-huge", lambda c: c.send(np.ones(3), _right(c), tag=1 << 63), ValueError,
+        min_ws=2),
+    Bad("send-tag-str", lambda c: c.send(np.ones(3), _right(c), tag="a"), ValueError, min_ws=2),
+    Bad("recv-tag-negative", lambda c: c.recv(_right(c), tag=-5), ValueError, min_ws=2),
+    # ValueError: sequences of the wrong length, shapes, read-only buffers, groups
+    Bad("scatter-too-many", lambda c: c.scatter([np.ones(2)] * (c.world_size + 1)), ValueError,
+        who="0"),
+    Bad("scatter-too-few", lambda c: c.scatter([np.ones(2)] * (c.world_size - 1)), ValueError,
+        who="0"),
+    Bad("scatter-none-on-root", lambda c: c.scatter(None), ValueError, who="0"),
+    Bad("all_to_all-too-many", lambda c: c.all_to_all([np.ones(2)] * (c.world_size + 1)),
+        ValueError),
+    Bad("all_to_all-empty", lambda c: c.all_to_all([]), ValueError),
+    Bad("all_gather-0d", lambda c: c.all_gather(np.array(1.0)), ValueError),
+    Bad("reduce_scatter-0d", lambda c: c.reduce_scatter(np.array(1.0)), ValueError),
+    Bad("all_reduce-readonly", lambda c: c.all_reduce(_ro()), ValueError),
+    Bad("broadcast-readonly", lambda c: c.broadcast(_ro((2, 2))), ValueError),
+    Bad("reduce-readonly-on-root", lambda c: c.reduce(_ro(), root=0), ValueError, who="0"),
+    Bad("new_group-duplicates", lambda c: c.new_group([0, 0]), ValueError),
+    Bad("new_group-out-of-range", lambda c: c.new_group([0, c.world_size]), ValueError),
+    Bad("new_group-negative", lambda c: c.new_group([-1]), ValueError),
+    Bad("new_group-empty", lambda c: c.new_group([]), ValueError),
+]
+
+
+@pytest.mark.parametrize(
+    ("backend", "world_size", "bad"),
+    [pytest.param(b, w, bad, id=f"{b}-{w}-{bad.id}")
+     for b, w, bad in itertools.product(BACKENDS, [1, 2, 3], BAD) if w >= bad.min_ws])
+async def test_bad_argument_raises_before_sending_and_comm_stays_usable(backend, world_size,
+                                                                        bad):
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        if bad.who == "all" or r == 0:
+            sent = comm.transport.bytes_sent
+            with pytest.raises(bad.exc):
+                await bad.call(comm)
+            assert comm.transport.bytes_sent == sent, "bytes were sent before the error"
+        # still usable: collectives, groups and point to point all line up
+        assert_array_equal(await comm.all_reduce(np.ones(3)), np.full(3, float(w)))
+        sub = await comm.new_group(list(range(w)))
+        assert sub is not None
+        assert_array_equal(await sub.all_gather(np.array([r])), np.arange(w))
+        if w > 1:
+            await comm.send(np.array([r]), (r + 1) % w, tag=5)
+            assert_array_equal(await comm.recv((r - 1) % w, tag=5), np.array([(r - 1) % w]))
+            await comm.send(np.array([r]), (r + 1) % w)
+            assert_array_equal(await comm.recv((r - 1) % w), np.array([(r - 1) % w]))
+
+    await guarded(fn, world_size, backend)
+
+
+# ---------------------------------------------------------------- ranks that disagree
+
+@dataclass
+class Mismatch:
+    """``call(comm, odd, keep)``: ``odd`` is True on the one rank that disagrees with the
+    others; arrays passed through ``keep`` must hold their contents after the failure.
+    ``names``: for each side, strings of which the error message must contain one."""
+
+    id: str
+    call: Callable[[Communicator, bool, Callable[[np.ndarray], np.ndarray]],
+                   Coroutine[Any, Any, Any]]
+    names: tuple[tuple[str, ...], ...] = ()
+
+
+def _bcast_input(comm: Communicator, shape: tuple[int, ...], dtype: Any = np.float64
+                 ) -> np.ndarray:
+    return np.full(shape, 7 if comm.rank == 0 else -1, dtype)
+
+
+def _root(odd: bool) -> int:
+    return 0 if odd else 1
+
+
+MISMATCHES: list[Mismatch] = [
+    Mismatch("all_reduce-shape", lambda c, odd, keep: c.all_reduce(np.ones(10 if odd else 12)),
+             (("(10,)",), ("(12,)",))),
+    Mismatch("all_reduce-shape-same-nbytes",
+             lambda c, odd, keep: c.all_reduce(np.ones((2, 3) if odd else (3, 2))),
+             (("(2, 3)",), ("(3, 2)",))),
+    Mismatch("all_reduce-dtype",
+             lambda c, odd, keep: c.all_reduce(np.ones(8, np.float32 if odd else np.float64)),
+             (("float32", "f4"), ("float64", "f8"))),
+    Mismatch("all_reduce-dtype-same-nbytes",
+             lambda c, odd, keep: c.all_reduce(np.ones(8, np.int64 if odd else np.float64)),
+             (("int64", "i8"), ("float64", "f8"))),
+    Mismatch("all_reduce-op",
+             lambda c, odd, keep: c.all_reduce(np.ones(8), ReduceOp.MAX if odd else ReduceOp.SUM),
+             (("max", "MAX"), ("sum", "SUM"))),
+    Mismatch("all_reduce-threshold-straddle",  # 80 B vs 800 kB: tree on one side, ring on other
+             lambda c, odd, keep: c.all_reduce(np.ones(10 if odd else 100_000)),
+             (("(10,)",), ("(100000,)",))),
+    Mismatch("all_reduce-vs-all_gather",
+             lambda c, odd, keep: (c.all_reduce(np.ones(10)) if odd
+                                   else c.all_gather(np.ones(10))),
+             (("all_reduce",), ("all_gather",))),
+    Mismatch("all_gather-trailing-shape",
+             lambda c, odd, keep: c.all_gather(np.ones((2, 3) if odd else (2, 4))),
+             (("3",), ("4",))),
+    Mismatch("reduce_scatter-shape",
+             lambda c, odd, keep: c.reduce_scatter(np.ones(9 if odd else 11)),
+             (("(9,)",), ("(11,)",))),
+    Mismatch("broadcast-shape-same-nbytes",
+             lambda c, odd, keep: c.broadcast(keep(_bcast_input(c, (2, 3) if odd else (3, 2)))),
+             (("(2, 3)",), ("(3, 2)",))),
+    Mismatch("broadcast-dtype-same-nbytes",
+             lambda c, odd, keep: c.broadcast(
+                 keep(_bcast_input(c, (4,), np.int64 if odd else np.float64))),
+             (("int64", "i8"), ("float64", "f8"))),
+    Mismatch("broadcast-root",
+             lambda c, odd, keep: c.broadcast(np.ones(4), root=_root(odd))),
+    Mismatch("reduce-root", lambda c, odd, keep: c.reduce(np.ones(4), root=_root(odd))),
+    Mismatch("gather-root", lambda c, odd, keep: c.gather(np.ones(4), root=_root(odd))),
+    Mismatch("scatter-root",
+             lambda c, odd, keep: c.scatter([np.ones(2)] * c.world_size, root=_root(odd))),
+    Mismatch("gather-shape", lambda c, odd, keep: c.gather(np.ones(3 if odd else 4)),
+             (("(3,)",), ("(4,)",))),
+    Mismatch("barrier-vs-all_reduce",
+             lambda c, odd, keep: c.barrier() if odd else c.all_reduce(np.ones(1)),
+             (("barrier",), ("all_reduce",))),
+]
+
+
+@pytest.mark.parametrize("odd_rank", ["first", "last"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("case", MISMATCHES, ids=[m.id for m in MISMATCHES])
+async def test_mismatch_fails_on_every_rank_promptly(backend, tuning, case, world_size,
+                                                     odd_rank):
+    odd = 0 if odd_rank == "first" else world_size - 1
+    buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    async def fn(comm: Communicator) -> Outcome:
+        def keep(a: np.ndarray) -> np.ndarray:
+            buffers[comm.rank] = (a, a.copy())
+            return a
+
+        return await outcome(case.call(comm, comm.rank == odd, keep))
+
+    results = await guarded(fn, world_size, backend, tuning=tuning)
+    for r, res in enumerate(results):
+        assert isinstance(res.error, CollectiveError), (
+            f"rank {r} got {res.error!r} / returned {type(res.value).__name__}, "
+            f"not a CollectiveError")
+        assert res.elapsed < PROMPT, f"rank {r} took {res.elapsed:.2f} s to fail"
+        msg = str(res.error)
+        for side in case.names:
+            assert any(s in msg for s in side), f"rank {r}: {msg!r} does not name {side}"
+    for r, (a, before) in buffers.items():
+        assert a.tobytes() == before.tobytes(), f"rank {r}'s array was modified"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_broken_communicator_fails_every_later_call_at_once(backend, tuning, world_size):
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        sub = await comm.new_group(list(range(w)))
+        assert sub is not None
+        with pytest.raises(CollectiveError):
+            await comm.all_reduce(np.ones(5 if r == 0 else 6))
+        later: list[Callable[[], Coroutine[Any, Any, Any]]] = [
+            lambda: comm.all_reduce(np.ones(5)),
+            lambda: comm.barrier(),
+            lambda: comm.broadcast(np.ones(3), root=0),
+            lambda: comm.all_gather(np.ones(2)),
+            lambda: comm.broadcast_object({"a": 1}),
+            lambda: comm.new_group([0]),
+            lambda: comm.send(np.ones(2), (r + 1) % w),
+            lambda: comm.recv((r - 1) % w),
+            lambda: sub.all_reduce(np.ones(5)),
+            lambda: comm.all_reduce(np.ones(5)),
+        ]
+        for make in later:
+            res = await outcome(make())
+            assert isinstance(res.error, CollectiveError), f"{make}: {res.error!r}"
+            assert not isinstance(res.error, CommunicatorClosedError)
+            assert res.elapsed < 0.2
+
+    await guarded(fn, world_size, backend, tuning=tuning)
+
+
+# ----------------------------------------------------------------------------- timeouts
+
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_skipped_collective_times_out(backend, tuning, world_size):
+    timeout = 0.5
+
+    async def fn(comm: Communicator) -> Outcome | None:
+        if comm.rank == 0:
+            return None  # skips the collective (and stays alive)
+        return await outcome(comm.all_reduce(np.ones(100)))
+
+    results = await guarded(fn, world_size, backend, tuning=tuning, timeout=timeout)
+    errors = [res.error for res in results[1:]]
+    assert all(isinstance(e, CollectiveError) for e in errors), errors
+    assert any(isinstance(e, CollectiveTimeout) for e in errors), errors
+    for res in results[1:]:
+        assert timeout * 0.8 <= res.elapsed <= timeout + PROMPT, res.elapsed
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_recv_without_send_times_out(backend, world_size):
+    async def fn(comm: Communicator) -> Outcome | None:
+        if comm.rank != 1:
+            return None
+        return await outcome(comm.recv(0, tag=3))
+
+    results = await guarded(fn, world_size, backend, timeout=0.5)
+    assert isinstance(results[1].error, CollectiveTimeout), results[1].error
+    assert 0.4 <= results[1].elapsed <= 1.5
+
+
+# ------------------------------------------------------------- failures and cancellation
+
+@pytest.mark.parametrize("blocked_in", ["all_reduce", "barrier", "recv"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_run_local_reraises_user_error_promptly(backend, world_size, blocked_in):
+    async def fn(comm: Communicator) -> None:
+        if comm.rank == 0:
+            await asyncio.sleep(0.1)
+            raise ValueError("boom in user code")
+        if blocked_in == "all_reduce":
+            await comm.all_reduce(np.ones(10))
+        elif blocked_in == "barrier":
+            await comm.barrier()
+        else:
+            await comm.recv(0)
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="boom in user code"):
+        await guarded(fn, world_size, backend)
+    assert time.monotonic() - t0 < 0.1 + PROMPT
+
+
+@pytest.mark.parametrize("how", ["asyncio.timeout", "task.cancel"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_cancelled_collective_breaks_the_world_promptly(backend, tuning, world_size, how):
+    async def fn(comm: Communicator) -> Outcome:
+        r, w = comm.rank, comm.world_size
+        if r == 0:
+            if how == "asyncio.timeout":
+                async def under_timeout() -> None:
+                    async with asyncio.timeout(0.2):
+                        await comm.all_reduce(np.ones(1000))
+                res = await outcome(under_timeout())
+            else:
+                task = asyncio.ensure_future(comm.all_reduce(np.ones(1000)))
+                await asyncio.sleep(0.2)
+                task.cancel()
+                res = await outcome(task)
+            after = await outcome(comm.all_reduce(np.ones(3)))
+            assert isinstance(after.error, CollectiveError), after
+            return res
+        if r == w - 1:  # never sent: blocks until the world breaks
+            return await outcome(comm.recv(0, tag=9))
+        return await outcome(comm.all_reduce(np.ones(1000)))
+
+    results = await guarded(fn, world_size, backend, tuning=tuning)
+    mine = results[0]
+    if how == "asyncio.timeout":
+        assert isinstance(mine.error, TimeoutError), mine
+    else:
+        assert isinstance(mine.error, asyncio.CancelledError), mine
+    assert not isinstance(mine.error, CollectiveError), mine
+    assert mine.elapsed < 0.2 + PROMPT
+    for r, res in enumerate(results[1:], 1):
+        assert isinstance(res.error, CollectiveError), f"rank {r}: {res}"
+        assert res.elapsed < 0.2 + PROMPT, f"rank {r} took {res.elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_peer_that_closes_is_reported_as_lost(backend, world_size):
+    lost = world_size - 1
+
+    async def fn(comm: Communicator) -> Outcome | None:
+        await comm.barrier()
+        if comm.rank == lost:
+            await comm.close()
+            return None
+        return await outcome(comm.all_reduce(np.ones(10)))
+
+    results = await guarded(fn, world_size, backend)
+    for r, res in enumerate(results[:lost]):
+        assert isinstance(res.error, PeerLostError), f"rank {r}: {res.error!r}"
+        assert res.error.rank == lost
+        assert res.elapsed < PROMPT
+
+
+# ------------------------------------------------------------------------------ closing
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+async def test_close_is_idempotent_and_closed_comm_refuses(backend, world_size):
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        await comm.barrier()
+        await comm.close()
+        await comm.close()
+        calls: list[Coroutine[Any, Any, Any]] = [
+            comm.all_reduce(np.ones(2)), comm.barrier(), comm.broadcast(np.ones(2)),
+            comm.all_gather(np.ones(2)), comm.broadcast_object(1), comm.new_group([0])]
+        if w > 1:
+            calls += [comm.send(np.ones(2), (r + 1) % w), comm.recv((r - 1) % w)]
+        for coro in calls:
+            with pytest.raises(CommunicatorClosedError):
+                await coro
+
+    await guarded(fn, world_size, backend)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+async def test_async_with_closes(backend, world_size):
+    async def fn(comm: Communicator) -> None:
+        async with comm as c:
+            assert c is comm
+            assert_array_equal(await comm.all_reduce(np.ones(2)), np.full(2, world_size))
+            await comm.barrier()
+        with pytest.raises(CommunicatorClosedError):
+            await comm.all_reduce(np.ones(2))
+
+    await guarded(fn, world_size, backend)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+async def test_closing_a_subgroup_leaves_the_world_usable(backend, world_size):
+    async def fn(comm: Communicator) -> None:
+        sub = await comm.new_group(list(range(world_size)))
+        assert sub is not None
+        await sub.close()
+        await sub.close()
+        with pytest.raises(CommunicatorClosedError):
+            await sub.all_reduce(np.ones(2))
+        assert_array_equal(await comm.all_reduce(np.ones(2)), np.full(2, world_size))
+
+    await guarded(fn, world_size, backend)
+
+
+# ----------------------------------------------------------------- independent worlds
+
+async def test_two_worlds_in_one_event_loop_do_not_interfere(backend):
+    async def world(comm: Communicator, scale: int) -> list[np.ndarray]:
+        out = []
+        for k in range(10):
+            a = np.full(7, scale * (comm.rank + 1) + k, np.int64)
+            out.append((await comm.all_reduce(a)).copy())
+            out.append(await comm.all_gather(np.array([scale, comm.rank])))
+            await comm.barrier()
+            await asyncio.sleep(0)
+        return out
+
+    async def a(comm: Communicator) -> list[np.ndarray]:
+        return await world(comm, 1)
+
+    async def b(comm: Communicator) -> list[np.ndarray]:
+        return await world(comm, 1000)
+
+    res_a, res_b = await asyncio.gather(run_world(a, 3, backend), run_world(b, 4, backend))
+    for res, scale, w in ((res_a, 1, 3), (res_b, 1000, 4)):
+        for rank_out in res:
+            for k in range(10):
+                total = scale * sum(range(1, w + 1)) + k * w
+                assert_array_equal(rank_out[2 * k], np.full(7, total))
+                assert_array_equal(rank_out[2 * k + 1],
+                                   np.array([[scale, j] for j in range(w)]).reshape(-1))
+
+
+async def test_a_failing_world_leaves_another_world_alone(backend):
+    async def failing(comm: Communicator) -> None:
+        await comm.all_reduce(np.ones(3 if comm.rank == 0 else 4))
+
+    async def healthy(comm: Communicator) -> list[float]:
+        out = []
+        for _ in range(20):
+            out.append(float((await comm.all_reduce(np.ones(1)))[0]))
+            await asyncio.sleep(0.001)
+        return out
+
+    bad, good = await asyncio.gather(run_world(failing, 3, backend),
+                                     run_world(healthy, 3, backend), return_exceptions=True)
+    assert isinstance(bad, CollectiveError), bad
+    assert good == [[3.0] * 20] * 3
+
+
+# ------------------------------------------------------------------ no corrupt data
+
+BIG_ENDIAN = np.dtype(">f8")
+
+
+BASE = np.array([1.5, 2.0, -3.25])
+
+
+def _be(values: np.ndarray) -> np.ndarray:
+    """``values`` stored big-endian (arithmetic on such arrays gives native ones again)."""
+    out = np.asarray(values, dtype=BIG_ENDIAN)
+    assert out.dtype.byteorder == ">"
+    return out
+
+
+@pytest.mark.parametrize("what", ["send_recv", "all_reduce", "all_gather", "broadcast",
+                                  "scatter", "all_to_all"])
+async def test_non_native_byte_order_is_handled_or_refused(backend, what):
+    """An array in big-endian order is float64 too: it must arrive as the same numbers, or be
+    refused with TypeError; never reinterpreted byte-swapped on the other side."""
+    async def fn(comm: Communicator) -> Any:
+        r = comm.rank
+        mine = _be(BASE + r) if r == 0 else BASE + r
+        if what == "send_recv":
+            if r == 0:
+                await comm.send(mine, 1)
+                return None
+            return await comm.recv(0)
+        if what == "all_reduce":
+            return await comm.all_reduce(mine)
+        if what == "all_gather":
+            return await comm.all_gather(mine)
+        if what == "broadcast":
+            return await comm.broadcast(mine, root=0)
+        if what == "scatter":
+            return await comm.scatter([_be(BASE + j) for j in range(2)] if r == 0 else None)
+        return await comm.all_to_all([mine, mine])
+
+    try:
+        results = await guarded(fn, 2, backend)
+    except TypeError:
+        return  # refused: fine
+    base = BASE
+    expected = {
+        "send_recv": [None, base],
+        "all_reduce": [2 * base + 1] * 2,
+        "all_gather": [np.concatenate([base, base + 1])] * 2,
+        "broadcast": [base, base],
+        "scatter": [base, base + 1],
+        "all_to_all": [[base, base + 1]] * 2,
+    }[what]
+    for r, (got, exp) in enumerate(zip(results, expected, strict=True)):
+        if exp is None:
+            continue
+        if isinstance(exp, list):
+            for g, e in zip(got, exp, strict=True):
+                assert_array_equal(np.asarray(g, np.float64), e, err_msg=f"rank {r}")
+        else:
+            assert_array_equal(np.asarray(got, np.float64), exp, err_msg=f"rank {r}")
+

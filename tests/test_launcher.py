@@ -1,0 +1,299 @@
+"""The command line with real processes: ``python -m asynccoll run | rendezvous | info``.
+
+Each test starts real interpreters (the launcher and its ranks, or ranks by hand) running the
+scripts in ``tests/helpers/``, reads their output line by line with a deadline, and checks
+exit codes, the rank prefixes, PeerLostError detection times and that no rank outlives the
+launcher. Every child prints ``PID <pid>`` first; the ``reaper`` fixture SIGKILLs whatever is
+still alive at teardown, so a failing test never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = REPO / "tests" / "helpers"
+
+#: environment variables a launcher or torchrun may have left in our own environment
+_WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT")
+
+PID_LINE = re.compile(r"^(?:\[(\d+)\] )?PID (\d+)$")
+LOST_LINE = re.compile(r"^\[(\d+)\] LOST rank=(\S+) after=([0-9.]+)")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ASYNCCOLL_") and k not in _WORLD_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                        if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's process reused the pid
+        return True
+    # a zombie still answers signal 0; it is gone for our purposes
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+class Proc:
+    """A child process whose merged stdout/stderr a thread collects line by line."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
+        self.args = list(args)
+        self.started = time.monotonic()
+        self.popen = subprocess.Popen(
+            self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._eof = False
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        with self.popen.stdout as out:
+            for raw in out:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                with self._cond:
+                    self.lines.append(line)
+                    self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def wait_for(self, predicate: Callable[[list[str]], bool], timeout: float) -> bool:
+        """Wait until ``predicate(lines)`` holds (True) or the output ended / time ran out."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self.lines):
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    return predicate(self.lines)
+                self._cond.wait(left)
+            return True
+
+    def finish(self, timeout: float) -> int:
+        """Wait for exit and the end of the output; fail the test (showing output) on timeout."""
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.args} did not exit within {timeout} s; output so far:\n"
+                        f"{self.output}")
+        self._thread.join(10)
+        return code
+
+    def child_pids(self) -> list[int]:
+        with self._cond:
+            return [int(m.group(2)) for line in self.lines if (m := PID_LINE.match(line))]
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def reaper() -> Iterator[Callable[..., Proc]]:
+    """``start(args, env)``: a :class:`Proc`; at teardown every one (and every child pid it
+    reported) still alive is SIGKILLed."""
+    procs: list[Proc] = []
+
+    def start(args: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(args, env if env is not None else clean_env())
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        for pid in proc.child_pids():
+            if pid_exists(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def launcher(*args: str) -> list[str]:
+    return [sys.executable, "-m", "asynccoll", "run", *args]
+
+
+def assert_all_gone(pids: list[int], grace: float = 5.0) -> None:
+    deadline = time.monotonic() + grace
+    alive = [p for p in pids if pid_exists(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if pid_exists(p)]
+    assert not alive, f"processes still alive after the launcher exited: {alive}"
+
+
+def rank_lines(output: str, rank: int, text: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith(f"[{rank}] ")
+            and text in line]
+
+
+# ------------------------------------------------------------------------------- success
+
+def test_run_allreduce_check(reaper: Callable[..., Proc]) -> None:
+    proc = reaper(launcher("-n", "3", str(HELPERS / "allreduce_check.py")))
+    code = proc.finish(45)
+    out = proc.output
+    assert code == 0, out
+    for r in range(3):
+        assert rank_lines(out, r, f"OK rank {r}"), out
+    assert len(proc.child_pids()) == 3
+    assert_all_gone(proc.child_pids())
+
+
+def test_run_quickstart(reaper: Callable[..., Proc]) -> None:
+    proc = reaper(launcher("-n", "2", str(REPO / "examples" / "quickstart.py")))
+    code = proc.finish(45)
+    out = proc.output
+    assert code == 0, out
+    for r in range(2):
+        lines = rank_lines(out, r, "all_reduce")
+        assert lines, out
+        assert any("[1.0, 3.0, 5.0, 7.0]" in line for line in lines), out
+
+
+def test_info() -> None:
+    res = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for backend in ("memory", "tcp", "nccl", "mpi"):
+        assert backend in res.stdout, res.stdout
+
+
+# ------------------------------------------------------------------------------- failures
+
+@pytest.mark.parametrize("mode", ["killed_before", "killed_during"])
+def test_rank_killed(reaper: Callable[..., Proc], mode: str) -> None:
+    """Rank 2 SIGKILLs itself; ranks 0 and 1 raise PeerLostError naming it, fast."""
+    proc = reaper(launcher("-n", "3", str(HELPERS / "faulty.py"), mode))
+    code = proc.finish(40)
+    out = proc.output
+    print(f"\n--- {mode} ---\n{out}")
+    assert code != 0, out
+    lost = {int(m.group(1)): (m.group(2), float(m.group(3)))
+            for line in out.splitlines() if (m := LOST_LINE.match(line))}
+    assert set(lost) == {0, 1}, f"every survivor must report the loss:\n{out}"
+    for r, (who, after) in lost.items():
+        assert who == "2", f"rank {r} blamed rank {who}, not 2:\n{out}"
+        assert after < 10.0, f"rank {r} took {after} s to notice:\n{out}"
+    print(f"{mode}: PeerLostError after " + ", ".join(
+        f"rank {r}: {after:.3f} s" for r, (_, after) in sorted(lost.items())))
+    pids = proc.child_pids()
+    assert len(pids) == 3, out
+    assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_rank_raises_in_user_code(reaper: Callable[..., Proc]) -> None:
+    """Rank 1 raises; the launcher stops the others long before their 30 s collective timeout."""
+    t0 = time.monotonic()
+    proc = reaper(launcher("-n", "3", str(HELPERS / "faulty.py"), "raise"))
+    code = proc.finish(40)
+    wall = time.monotonic() - t0
+    out = proc.output
+    assert code != 0, out
+    assert rank_lines(out, 1, "RuntimeError: deliberate failure in user code"), out
+    assert wall < 20.0, f"the run took {wall:.1f} s:\n{out}"
+    assert_all_gone(proc.child_pids())
+
+
+def test_ctrl_c_stops_everything(reaper: Callable[..., Proc]) -> None:
+    proc = reaper(launcher("-n", "3", str(HELPERS / "faulty.py"), "forever"))
+    ready = proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines) == 3,
+                          timeout=30)
+    assert ready, proc.output
+    pids = proc.child_pids()
+    assert len(pids) == 3
+    time.sleep(0.3)  # a few collectives in flight
+    t0 = time.monotonic()
+    proc.popen.send_signal(signal.SIGINT)
+    code = proc.finish(15)
+    elapsed = time.monotonic() - t0
+    assert code != 0, proc.output
+    assert elapsed < 10.0, f"the launcher took {elapsed:.1f} s to stop:\n{proc.output}"
+    print(f"\nCtrl-C: launcher exited with {code} after {elapsed:.2f} s")
+    assert_all_gone(pids)
+
+
+# ------------------------------------------------------------------ without the launcher
+
+def test_standalone_rendezvous_and_hand_started_ranks(reaper: Callable[..., Proc]) -> None:
+    port = free_port()
+    token = "hand-started-token"
+    rdv = reaper([sys.executable, "-m", "asynccoll", "rendezvous", "--port", str(port),
+                  "--token", token])
+    deadline = time.monotonic() + 20
+    while True:  # wait until it listens
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            assert rdv.popen.poll() is None, rdv.output
+            assert time.monotonic() < deadline, "the rendezvous server never listened"
+            time.sleep(0.05)
+
+    ranks = [reaper([sys.executable, str(HELPERS / "allreduce_check.py")], clean_env(
+        ASYNCCOLL_RENDEZVOUS=f"127.0.0.1:{port}", ASYNCCOLL_RANK=str(r),
+        ASYNCCOLL_WORLD_SIZE="2", ASYNCCOLL_TOKEN=token)) for r in range(2)]
+    for r, p in enumerate(ranks):
+        code = p.finish(45)
+        assert code == 0, p.output
+        assert f"OK rank {r}" in p.output, p.output
+    assert rdv.popen.poll() is None, "the standalone rendezvous server went away:\n" + rdv.output
+
+    rdv.popen.send_signal(signal.SIGINT)
+    code = rdv.finish(10)
+    assert code == 0, f"rendezvous exited with {code} on SIGINT:\n{rdv.output}"
+    assert token not in rdv.output
+
+
+def test_torchrun_style_environment(reaper: Callable[..., Proc]) -> None:
+    port = free_port()
+    # rank 1 first: it must wait (retrying) for rank 0 to host the rendezvous on MASTER_PORT
+    ranks = {r: reaper([sys.executable, str(HELPERS / "allreduce_check.py")], clean_env(
+        RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        for r in (1, 0)}
+    for r, p in ranks.items():
+        code = p.finish(45)
+        assert code == 0, p.output
+        assert f"OK rank {r}" in p.output, p.output
