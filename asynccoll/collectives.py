@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 
 from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
-from .ops import ReduceOp, check_op, combine, finish
+from .ops import ReduceOp, check_op, combine, combine_ordered, finish
 from .transport.base import Transport, describe_sig
 from .tuning import Tuning
 from .wire import FrameHeader, FrameKind, array_view, dtype_code
@@ -51,6 +51,9 @@ def _check_array(a: Any, what: str = "array", *, writable: bool = False) -> np.n
     if not a.flags.c_contiguous:
         raise TypeError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
     dtype_code(a.dtype)  # TypeError for unsupported dtypes
+    if not a.dtype.isnative:
+        raise TypeError(f"{what} has non-native byte order ({a.dtype.str}); convert it with "
+                        f"array.astype(array.dtype.newbyteorder('='))")
     if writable and not a.flags.writeable:
         raise ValueError(f"{what} is read-only but this collective writes into it")
     return a
@@ -133,12 +136,14 @@ class _Call:
         if h.sig != self.sig:  # the mailbox caught it already; never hand out such data
             raise CollectiveError(f"collective mismatch: {describe_sig(h.sig)} "
                                   f"vs {describe_sig(self.sig)}")
-        if into is not None and frame.payload is view:
+        if into is not None and frame.payload is view and (not resize or h.shape == into.shape):
             return into
         if into is not None and not resize:
             raise CollectiveError(f"group rank {peer} sent {h.shape} where {into.shape} "
                                   f"was expected")
         assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
+        if frame.payload is view:  # zero bytes either way, only the shape differs
+            return np.empty(h.shape, into.dtype if into is not None else h.dtype)
         return array_view(frame.payload, h.dtype, h.shape)
 
     async def exchange(self, dst: int, arr: np.ndarray, src: int, into: np.ndarray | None,
@@ -166,7 +171,11 @@ async def _recursive_doubling(call: _Call, flat: np.ndarray, op: ReduceOp) -> No
         combine(flat, await call.recv(r + p, 0, scratch), op)
     for k in range(rounds):
         partner = r ^ (1 << k)
-        combine(flat, await call.exchange(partner, flat, partner, scratch, k + 1), op)
+        got = await call.exchange(partner, flat, partner, scratch, k + 1)
+        if r < partner:  # the lower rank's operand on the left on both ranks: identical bits
+            combine_ordered(flat, flat, got, op)
+        else:
+            combine_ordered(flat, got, flat, op)
     if r < extra:
         await call.send(r + p, rounds + 1, flat)
 
@@ -325,12 +334,21 @@ async def _direct_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tup
     return out
 
 
-async def _dissemination_barrier(call: _Call) -> None:
+#: first step number of the signature-agreement rounds (far above any algorithm's steps)
+AGREE_STEP = 0xFFFF0000
+
+
+async def _dissemination_barrier(call: _Call, step0: int = 0) -> None:
+    """ceil(log2 W) rounds; round k sends to rank+2^k and receives from rank-2^k.
+
+    Each round starts after the previous one's frame was received and its signature checked,
+    so a rank that finishes has (transitively) checked every rank's signature.
+    """
     w, r = call.size, call.rank
     token = np.empty(0, np.uint8)
     k, dist = 0, 1
     while dist < w:
-        await call.exchange((r + dist) % w, token, (r - dist) % w, None, k)
+        await call.exchange((r + dist) % w, token, (r - dist) % w, None, step0 + k)
         k, dist = k + 1, dist * 2
 
 
@@ -401,8 +419,16 @@ class Communicator:
             raise CommunicatorClosedError("the communicator was closed")
         self._transport.check_usable()
 
-    async def _run(self, sig: tuple[Any, ...], body: Callable[[_Call], Awaitable[T]]) -> T:
-        """Run one collective: sequence number, signature check, timeout, failure spreading."""
+    async def _run(self, sig: tuple[Any, ...], body: Callable[[_Call], Awaitable[T]], *,
+                   agree: bool = False) -> T:
+        """Run one collective: sequence number, signature check, timeout, failure spreading.
+
+        Symmetric algorithms (every rank's result depends on every rank's frames) check the
+        signature on the way. Rooted ones pass ``agree=True``: a dissemination round of empty
+        frames first makes every rank check every signature, so that on a mismatch *every*
+        rank raises (a root that only sends would otherwise return) and ranks that disagree
+        about the root cannot all sit waiting.
+        """
         self._check_open()
         seq = self._seq
         self._seq += 1
@@ -414,6 +440,8 @@ class Communicator:
         name = describe_sig(sig)
         try:
             async with asyncio.timeout(self.timeout):
+                if agree:
+                    await _dissemination_barrier(call, AGREE_STEP)
                 return await body(call)
         except TimeoutError:
             err = CollectiveTimeout(f"{name} on group rank {self._rank} made no progress "
@@ -452,7 +480,7 @@ class Communicator:
                 await _binomial_broadcast(call, root, a.reshape(-1))
             return a
 
-        return await self._run(("broadcast", *_sig_array(a), root, algo), body)
+        return await self._run(("broadcast", *_sig_array(a), root, algo), body, agree=True)
 
     async def reduce(self, array: np.ndarray, root: int = 0, op: ReduceOp = ReduceOp.SUM
                      ) -> np.ndarray | None:
@@ -476,7 +504,7 @@ class Communicator:
             finish(a, op, call.size)
             return a
 
-        return await self._run(("reduce", *_sig_array(a), op.value, root, algo), body)
+        return await self._run(("reduce", *_sig_array(a), op.value, root, algo), body, agree=True)
 
     async def all_reduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
         """Reduce ``array`` over all ranks, in place on every rank; returns ``array``.
@@ -582,7 +610,7 @@ class Communicator:
             await _concurrently(*(call.recv(j, 0, out[j]) for j in range(call.size) if j != root))
             return out
 
-        return await self._run(("gather", *_sig_array(a), root), body)
+        return await self._run(("gather", *_sig_array(a), root), body, agree=True)
 
     async def scatter(self, arrays: Sequence[np.ndarray] | None, root: int = 0) -> np.ndarray:
         """The array that root put at this rank's position of ``arrays`` (a new array).
@@ -603,7 +631,7 @@ class Communicator:
                 return items[root].copy()
             return await call.recv(root, 0)
 
-        return await self._run(("scatter", root), body)
+        return await self._run(("scatter", root), body, agree=True)
 
     async def all_to_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Element ``j`` of the result is what rank ``j`` put at position ``rank`` of its ``arrays``."""
@@ -703,7 +731,7 @@ class Communicator:
             got = await _binomial_broadcast(call, root, data)
             return _unpack_object(got)
 
-        return await self._run(("broadcast_object", root), body)
+        return await self._run(("broadcast_object", root), body, agree=True)
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (msgpack-serialisable)."""

@@ -54,6 +54,15 @@ def combine(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     _UFUNCS[op](dst, src, out=dst)
 
 
+def combine_ordered(dst: np.ndarray, left: np.ndarray, right: np.ndarray, op: ReduceOp) -> None:
+    """``dst = left (op) right`` with a fixed operand order.
+
+    Vectorised kernels are not always bit-for-bit commutative (complex multiply is not), so
+    two ranks that must end with identical bits combine their operands in the same order.
+    """
+    _UFUNCS[op](left, right, out=dst)
+
+
 def finish(a: np.ndarray, op: ReduceOp, n: int) -> None:
     """Last step of a reduction over ``n`` ranks (divides by ``n`` for AVG)."""
     if op is ReduceOp.AVG and n > 1:

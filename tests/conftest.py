@@ -19,7 +19,7 @@ from asynccoll.tuning import RING, TREE, Tuning
 T = TypeVar("T")
 
 #: Backends that run several ranks in one event loop (``asynccoll.run_local``).
-BACKENDS = ["memory"]
+BACKENDS = ["memory", "tcp"]
 
 #: Per-collective timeout of the communicators ``run`` builds: short, so that a test that
 #: would hang fails with CollectiveTimeout long before pytest's own per-test timeout.

@@ -1,0 +1,525 @@
+"""The TCP transport in one process over real loopback sockets.
+
+Authentication (wrong tokens never get in and never learn the token), hostile bytes thrown at
+the peer and rendezvous ports while a world keeps computing, an abrupt peer loss, collective
+timeouts, large messages, and frames of an authenticated peer that break the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asynccoll
+from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
+from asynccoll.errors import AuthenticationError
+from asynccoll.handshake import ClientHandshake, client_handshake, client_proof
+from asynccoll.rendezvous import RendezvousClient, RendezvousServer
+from asynccoll.transport.tcp import TcpTransport, tcp_init
+from asynccoll.wire import (
+    MAGIC,
+    PREFIX,
+    VERSION,
+    Frame,
+    FrameDecoder,
+    FrameHeader,
+    FrameKind,
+    encode_frame_bytes,
+    encode_head,
+)
+
+TOKEN = "secret"
+SECRET = TOKEN.encode()
+
+
+# ----------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(autouse=True)
+def _no_world_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcp_init falls back on the environment; make sure a launcher's variables do not leak."""
+    for name in list(os.environ):
+        if name.startswith("ASYNCCOLL_"):
+            monkeypatch.delenv(name)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+class LogWatch(logging.Handler):
+    """Collects the records of the ``asynccoll`` loggers."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int = logging.WARNING) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= level]
+
+
+@pytest.fixture
+def logs() -> Iterator[LogWatch]:
+    logger = logging.getLogger("asynccoll")
+    watch, level = LogWatch(), logger.level
+    logger.addHandler(watch)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield watch
+    finally:
+        logger.removeHandler(watch)
+        logger.setLevel(level)
+
+
+@contextlib.asynccontextmanager
+async def tcp_world(world_size: int, *, token: str | None = TOKEN, timeout: float = 20.0,  # noqa: ASYNC109
+                    handshake_timeout: float = 5.0
+                    ) -> AsyncIterator[tuple[RendezvousServer, list[Communicator]]]:
+    """A rendezvous server we hold (to reach its port) and ``world_size`` TCP ranks."""
+    server = RendezvousServer("127.0.0.1", 0, token=token, handshake_timeout=handshake_timeout)
+    await server.start()
+    try:
+        results = await asyncio.gather(*(
+            tcp_init(rank=r, world_size=world_size, addr="127.0.0.1", port=server.port,
+                     timeout=timeout, token=token, host_rendezvous=False)
+            for r in range(world_size)), return_exceptions=True)
+        comms = [c for c in results if isinstance(c, Communicator)]
+        try:
+            for c in results:
+                if isinstance(c, BaseException):
+                    raise c
+            for c in comms:
+                c.transport.handshake_timeout = handshake_timeout  # type: ignore[attr-defined]
+            yield server, comms
+        finally:
+            for c in comms:
+                await c.close()
+    finally:
+        await server.close()
+
+
+def peer_address(comm: Communicator) -> tuple[str, int]:
+    t = comm.transport
+    assert isinstance(t, TcpTransport)
+    return t.addresses[comm.rank]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def close_writer(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(ConnectionError, OSError):
+        await writer.wait_closed()
+
+
+async def read_until_closed(reader: asyncio.StreamReader, within: float) -> bytes:
+    """Everything the server sends until it closes (EOF or reset); fails after ``within`` s."""
+    got = bytearray()
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                chunk = await reader.read(1 << 16)
+            except (ConnectionResetError, BrokenPipeError):
+                return bytes(got)
+            if not chunk:
+                return bytes(got)
+            got += chunk
+
+
+async def read_one_frame(reader: asyncio.StreamReader, sink: bytearray, within: float = 5.0
+                         ) -> Frame | None:
+    """Read raw bytes (kept in ``sink``) until one whole frame arrived; None on EOF."""
+    decoder = FrameDecoder(max_payload=0)
+    async with asyncio.timeout(within):
+        while True:
+            for frame in decoder.frames():
+                return frame
+            try:
+                chunk = await reader.read(1 << 16)
+            except ConnectionResetError:
+                return None
+            if not chunk:
+                return None
+            sink += chunk
+            decoder.feed(chunk)
+
+
+def expected_sum(world_size: int, base: np.ndarray) -> np.ndarray:
+    return sum(base * (r + 1) for r in range(world_size))  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------ authentication
+
+async def rogue_handshake(host: str, port: int, *, role: str, rank: int | None) -> bytes:
+    """Run the handshake with the wrong token as far as the server lets us; return every byte
+    it sent. The server must reject the forged PROOF (REJECT frame and/or closing)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    received = bytearray()
+    try:
+        nonce = os.urandom(32)
+        hs = ClientHandshake("wrong-token", role=role, rank=rank, nonce=nonce)
+        writer.write(encode_frame_bytes(hs.hello()))
+        challenge = await read_one_frame(reader, received)
+        assert challenge is not None and challenge.kind == FrameKind.CHALLENGE, challenge
+        # the client side detects the impostor-or-wrong-token situation itself ...
+        with pytest.raises(AuthenticationError):
+            hs.on_challenge(challenge)
+        # ... but a rogue goes on and sends a PROOF made with its own (wrong) token
+        assert challenge.header.meta is not None
+        server_nonce = challenge.header.meta["nonce"]
+        proof = client_proof(b"wrong-token", server_nonce, nonce)
+        writer.write(encode_frame_bytes(
+            Frame(FrameKind.PROOF, FrameHeader(meta={"proof": proof}), b"")))
+        rest = await read_until_closed(reader, 5.0)
+        received += rest
+        frames = FrameDecoder(max_payload=0)
+        frames.feed(rest)
+        kinds = [f.kind for f in frames.frames()]
+        assert FrameKind.WELCOME not in kinds
+        assert kinds in ([], [FrameKind.REJECT]), kinds
+        return bytes(received)
+    finally:
+        await close_writer(writer)
+
+
+@pytest.mark.parametrize("target", ["peer", "rendezvous"])
+async def test_wrong_token_is_rejected_and_learns_nothing(target: str, logs: LogWatch) -> None:
+    async with tcp_world(2) as (server, comms):
+        if target == "peer":
+            host, port = peer_address(comms[1])
+            sent = await rogue_handshake(host, port, role="peer", rank=0)
+        else:
+            sent = await rogue_handshake("127.0.0.1", server.port, role="client", rank=None)
+        assert SECRET not in sent
+        assert not any(TOKEN in m for m in logs.messages(logging.DEBUG))
+        # the world is undisturbed
+        results = await asyncio.gather(*(c.all_reduce(np.full(5, c.rank + 1.0)) for c in comms))
+        for a in results:
+            np.testing.assert_array_equal(a, np.full(5, 3.0))
+
+
+async def test_rendezvous_client_with_wrong_token() -> None:
+    async with RendezvousServer("127.0.0.1", 0, token=TOKEN) as server:
+        with pytest.raises(AuthenticationError) as excinfo:
+            await RendezvousClient.connect("127.0.0.1", server.port, token="bogus-xyzzy",
+                                           timeout=5)
+        assert TOKEN not in str(excinfo.value)
+        assert "xyzzy" not in str(excinfo.value)
+        # the right token still gets in
+        async with await RendezvousClient.connect("127.0.0.1", server.port, token=TOKEN,
+                                                  timeout=5) as client:
+            await client.set("k", b"v")
+            assert await client.get("k") == b"v"
+
+
+async def test_world_with_different_tokens_cannot_form() -> None:
+    """Rank 0 hosts the rendezvous with one token, rank 1 brings another: both fail, fast."""
+    port = free_port()
+    t0 = time.monotonic()
+    async with asyncio.timeout(20):
+        results = await asyncio.gather(
+            tcp_init(rank=0, world_size=2, addr="127.0.0.1", port=port, token="alpha",
+                     timeout=3.0, host_rendezvous=True),
+            tcp_init(rank=1, world_size=2, addr="127.0.0.1", port=port, token="beta",
+                     timeout=3.0, host_rendezvous=False),
+            return_exceptions=True)
+    elapsed = time.monotonic() - t0
+    print(f"\ndifferent tokens, after {elapsed:.2f} s: {results!r}")
+    for r in results:
+        if isinstance(r, Communicator):
+            await r.close()
+    assert isinstance(results[1], AuthenticationError), results
+    assert isinstance(results[0], CollectiveError), results
+    for r in results:
+        assert "alpha" not in str(r) and "beta" not in str(r), r
+    assert elapsed < 3.0 + 6.0, elapsed
+
+
+async def test_peers_with_different_tokens_cannot_connect() -> None:
+    """Two transports that share a rendezvous but not a token never open a connection."""
+    t0 = TcpTransport(0, 2, token="alpha", handshake_timeout=2.0)
+    t1 = TcpTransport(1, 2, token="beta", handshake_timeout=2.0)
+    try:
+        for t in (t0, t1):
+            t.addresses[t.rank] = await t.listen("127.0.0.1", 0)
+        t0.addresses[1] = t1.addresses[1]
+        t1.addresses[0] = t0.addresses[0]
+        for t, dst in ((t0, 1), (t1, 0)):
+            start = time.monotonic()
+            with pytest.raises(CollectiveError) as excinfo:
+                await t.connect(dst)
+            assert time.monotonic() - start < 3.0
+            assert "alpha" not in str(excinfo.value) and "beta" not in str(excinfo.value)
+            assert not t._out
+    finally:
+        await t0.close()
+        await t1.close()
+
+
+# ------------------------------------------------------------------------------ hostile bytes
+
+def _hello_bytes() -> bytes:
+    return encode_frame_bytes(ClientHandshake(TOKEN, role="peer", rank=0).hello())
+
+
+def _with_prefix_field(frame: bytes, *, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
+    _, _, kind, flags, hlen, plen = PREFIX.unpack(frame[:PREFIX.size])
+    return PREFIX.pack(magic, version, kind, flags, hlen, plen) + frame[PREFIX.size:]
+
+
+BAD_INPUTS: dict[str, bytes | None] = {
+    "garbage": bytes(range(256)) * 16,
+    "truncated": _hello_bytes()[:30],
+    "oversized": PREFIX.pack(MAGIC, VERSION, int(FrameKind.DATA), 0, 0, 2**39),
+    "oversized_hello": PREFIX.pack(MAGIC, VERSION, int(FrameKind.HELLO), 0, 16, 2**39),
+    "wrong_magic": _with_prefix_field(_hello_bytes(), magic=b"XCOL"),
+    "wrong_version": _with_prefix_field(_hello_bytes(), version=VERSION + 1),
+    "silent": None,
+}
+
+
+async def attack(host: str, port: int, what: str) -> tuple[str, float]:
+    """Open a connection, misbehave, and return how long the server took to drop it."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        data = BAD_INPUTS[what]
+        start = time.monotonic()
+        if data is not None:
+            writer.write(data)
+            if what == "truncated":
+                writer.write_eof()  # half-close: we can still see the server hang up
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+        got = await read_until_closed(reader, 5.0)
+        assert SECRET not in got
+        return what, time.monotonic() - start
+    finally:
+        await close_writer(writer)
+
+
+@pytest.mark.timeout(60)
+async def test_hostile_connections_while_the_world_works(logs: LogWatch) -> None:
+    world_size = 3
+    async with tcp_world(world_size, handshake_timeout=0.5) as (server, comms):
+        peer_host, peer_port = peer_address(comms[1])
+        targets = {"peer": (peer_host, peer_port), "rendezvous": ("127.0.0.1", server.port)}
+        progress = [0] * world_size
+
+        async def work(comm: Communicator) -> None:
+            for i in range(60):
+                base = np.arange(5_000 + 97 * i, dtype=np.float64) + i
+                a = base * (comm.rank + 1)
+                await comm.all_reduce(a)
+                np.testing.assert_array_equal(a, expected_sum(world_size, base))
+                progress[comm.rank] = i + 1
+                await asyncio.sleep(0.01)
+
+        async def attacks() -> list[tuple[str, str, float]]:
+            await asyncio.sleep(0.05)
+            jobs = [(name, what) for name in targets for what in BAD_INPUTS]
+            results = await asyncio.gather(*(attack(*targets[name], what) for name, what in jobs))
+            return [(name, what, dt) for (name, _), (what, dt) in zip(jobs, results, strict=True)]
+
+        async with asyncio.TaskGroup() as tg:
+            for c in comms:
+                tg.create_task(work(c))
+            attacking = tg.create_task(attacks())
+        dropped = attacking.result()
+        assert progress == [60] * world_size
+        for name, what, dt in dropped:
+            # everything is dropped at once except the silent client (handshake timeout 0.5 s)
+            assert dt < (3.0 if what == "silent" else 1.0), (name, what, dt)
+            if what == "silent":
+                assert dt >= 0.4, (name, what, dt)
+        for c in comms:
+            assert c.transport.broken is None
+        # still usable
+        final = await asyncio.gather(*(c.all_reduce(np.full(3, c.rank + 1)) for c in comms))
+        for a in final:
+            np.testing.assert_array_equal(a, np.full(3, 6))
+        # dropped and logged (a truncated HELLO followed by EOF is just a closed connection)
+        warnings = logs.messages()
+        for prefix in ("rank 1: dropped", "rendezvous: dropped"):
+            mine = "\n".join(m for m in warnings if m.startswith(prefix))
+            assert mine.count("bad magic") == 2, warnings
+            assert mine.count("exceeds the limit") == 2, warnings
+            assert mine.count("unsupported protocol version") == 1, warnings
+            assert mine.count("handshake") == 1, warnings
+        assert TOKEN not in "\n".join(logs.messages(logging.DEBUG))
+
+
+# ------------------------------------------------------------------------------ failures
+
+def _kill_in_process(comm: Communicator) -> None:
+    """Make ``comm``'s rank vanish as a crashed process would: sockets reset, listener gone,
+    and no goodbye (no BYE, no ABORT frames)."""
+    t = comm.transport
+    assert isinstance(t, TcpTransport)
+    t._notify_abort = lambda frame: None  # type: ignore[method-assign]  # the dead say nothing
+    assert t._server is not None
+    t._server.close()
+    for conn in [*t._out.values(), *t._incoming]:
+        assert conn.transport is not None
+        conn.transport.abort()
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+async def test_peer_lost_in_a_collective(world_size: int) -> None:
+    victim = world_size - 1
+    async with tcp_world(world_size, timeout=30.0) as (_, comms):
+        # a first collective: every connection the all_reduce needs is open
+        await asyncio.gather(*(c.all_reduce(np.ones(1000)) for c in comms))
+        loop = asyncio.get_running_loop()
+
+        async def survivor(comm: Communicator) -> tuple[PeerLostError, float]:
+            start = loop.time()
+            with pytest.raises(PeerLostError) as excinfo:
+                await comm.all_reduce(np.ones(1000))
+            return excinfo.value, loop.time() - start
+
+        async def kill() -> None:
+            await asyncio.sleep(0.2)  # the survivors are waiting on the victim by now
+            _kill_in_process(comms[victim])
+
+        lost, _ = await asyncio.gather(
+            asyncio.gather(*(survivor(c) for c in comms[:victim])), kill())
+        print(f"\nin-process PeerLostError (world {world_size}, victim {victim}), from entering "
+              "the all_reduce (victim vanishes at 0.2 s): "
+              + ", ".join(f"rank {r}: {dt:.3f} s" for r, (_, dt) in enumerate(lost)))
+        for r, (exc, dt) in enumerate(lost):
+            assert exc.rank == victim, (r, exc)
+            assert dt < 0.2 + 5.0, (r, dt)
+        for c in comms[:victim]:
+            with pytest.raises(CollectiveError):
+                await c.all_reduce(np.ones(3))
+            with pytest.raises(CollectiveError):
+                await c.barrier()
+
+
+async def test_collective_timeout_on_tcp() -> None:
+    timeout = 1.5
+    async with tcp_world(3, timeout=timeout) as (_, comms):
+        loop = asyncio.get_running_loop()
+
+        async def caller(comm: Communicator) -> tuple[BaseException, float]:
+            start = loop.time()
+            with pytest.raises(CollectiveError) as excinfo:
+                await comm.all_reduce(np.ones(100))
+            return excinfo.value, loop.time() - start
+
+        results = await asyncio.gather(caller(comms[0]), caller(comms[1]))
+        print(f"\ntimeout={timeout} s: " + ", ".join(
+            f"rank {r}: {type(exc).__name__} after {dt:.3f} s" for r, (exc, dt) in
+            enumerate(results)))
+        for exc, dt in results:
+            assert dt < timeout + 1.0, (exc, dt)
+        assert any(isinstance(exc, CollectiveTimeout) for exc, _ in results), results
+        # the absent rank learns the world is broken (ABORT frames) and fails at once
+        await asyncio.sleep(0.1)
+        start = loop.time()
+        with pytest.raises(CollectiveError):
+            await comms[2].all_reduce(np.ones(100))
+        assert loop.time() - start < 1.0
+        for c in comms[:2]:
+            with pytest.raises(CollectiveError):
+                await c.all_reduce(np.ones(100))
+
+
+# ------------------------------------------------------------------------------ large messages
+
+@pytest.mark.timeout(90)
+async def test_large_all_reduce_16mib() -> None:
+    n = (16 << 20) // 4
+    pattern = (np.arange(n, dtype=np.float32) % 1000.0).astype(np.float32)
+
+    async def fn(comm: Communicator) -> bool:
+        a = np.empty(n, dtype=np.float32)
+        for it in range(3):
+            np.multiply(pattern, comm.rank + 1, out=a)
+            a += it
+            await comm.all_reduce(a)
+            np.testing.assert_array_equal(a, pattern * 6 + 3 * it)
+        return True
+
+    assert await asynccoll.run_local(fn, 3, backend="tcp", timeout=60.0, token=TOKEN) == [True] * 3
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("recv_first", [True, False], ids=["recv-posted-first",
+                                                          "recv-posted-second"])
+async def test_large_send_recv_8mib(recv_first: bool) -> None:
+    n = (8 << 20) // 8
+    data = np.arange(n, dtype=np.float64) * 1.5
+
+    async def fn(comm: Communicator) -> Any:
+        if comm.rank == 0:
+            if recv_first:
+                await asyncio.sleep(0.3)
+            for tag in (1, 2):
+                await comm.send(data * tag, dst=2, tag=tag)
+            return None
+        if comm.rank == 2:
+            if not recv_first:
+                await asyncio.sleep(0.3)
+            got = [await comm.recv(src=0, tag=tag) for tag in (1, 2)]
+            for tag, g in zip((1, 2), got, strict=True):
+                assert g.dtype == np.float64 and g.shape == (n,)
+                np.testing.assert_array_equal(g, data * tag)
+            return True
+        return None
+
+    results = await asynccoll.run_local(fn, 3, backend="tcp", timeout=60.0, token=TOKEN)
+    assert results[2] is True
+
+
+# ------------------------------------------------------------------ a peer breaking the rules
+
+def _spoofed_p2p() -> bytes:
+    payload = np.full(4, 666.0).tobytes()
+    header = FrameHeader(group=0, seq=0, step=0, tag=5, src=2, dtype="<f8", shape=(4,))
+    return encode_head(FrameKind.P2P, header, len(payload)) + payload
+
+
+def _malformed_header() -> bytes:
+    body = b"\xc1" * 16  # 0xc1 is never valid msgpack
+    return PREFIX.pack(MAGIC, VERSION, int(FrameKind.DATA), 0, len(body), 0) + body
+
+
+@pytest.mark.parametrize("bad", ["wrong-src", "malformed-header"])
+async def test_authenticated_peer_breaking_the_protocol(bad: str) -> None:
+    """A connection that authenticated as rank 1 (it knows the token) sends a frame claiming
+    to come from rank 2, or an undecodable header. The frame never reaches a receive: the
+    connection is dropped and, an authenticated member having broken the protocol, the
+    receiving rank reports PeerLostError naming the rank the connection authenticated as
+    (fail-stop, see asynccoll.transport.tcp), not the rank the frame claimed."""
+    async with tcp_world(3) as (_, comms):
+        host, port = peer_address(comms[0])
+        recv = asyncio.ensure_future(comms[0].recv(src=2, tag=5))
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await client_handshake(reader, writer, TOKEN, role="peer", rank=1, timeout=5)
+            writer.write(_spoofed_p2p() if bad == "wrong-src" else _malformed_header())
+            await writer.drain()
+            with pytest.raises(PeerLostError) as excinfo:
+                async with asyncio.timeout(5):
+                    await recv
+            assert excinfo.value.rank == 1
+            await read_until_closed(reader, 5.0)
+        finally:
+            recv.cancel()
+            with contextlib.suppress(BaseException):
+                await recv
+            await close_writer(writer)
