@@ -12,7 +12,6 @@ Runs its ranks itself (``-n N``: processes through the launcher for ``tcp``, cor
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys

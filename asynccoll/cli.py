@@ -117,14 +117,13 @@ class _Launcher:
         try:
             for rank in range(self.n):
                 proc = await asyncio.create_subprocess_exec(
-                    *self.command, env=self.env(rank, server.port), stdin=asyncio.subprocess.DEVNULL,
+                    *self.command, env=self.env(rank, server.port),
+                    stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                     start_new_session=True, limit=1 << 20)
                 self.procs.append(proc)
             watchers = [asyncio.ensure_future(self._watch(r, p)) for r, p in enumerate(self.procs)]
             interrupt = asyncio.ensure_future(interrupted.wait())
-            done, _ = await asyncio.wait([*watchers, interrupt],
-                                         return_when=asyncio.FIRST_COMPLETED)
             while not interrupt.done() and not all(w.done() for w in watchers):
                 await asyncio.wait([*watchers, interrupt], return_when=asyncio.FIRST_COMPLETED)
             if interrupt.done():

@@ -64,7 +64,7 @@ def _sig_array(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
 
 
 def _bytes_view(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1)).cast("B")
+    return memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
 
 
 def _row_bounds(rows: int, row_size: int, parts: int) -> list[tuple[int, int]]:
@@ -564,7 +564,8 @@ class Communicator:
 
         return await self._run(("reduce_scatter", *_sig_array(a), op.value, algo), body)
 
-    async def _gather_blocks(self, call: _Call, a: np.ndarray, algo: str) -> np.ndarray | list[np.ndarray]:
+    async def _gather_blocks(self, call: _Call, a: np.ndarray, algo: str
+                             ) -> np.ndarray | list[np.ndarray]:
         """All-gather core: returns the concatenated array when all blocks had ``a``'s shape,
         else the list of blocks."""
         w, r = call.size, call.rank
@@ -634,7 +635,8 @@ class Communicator:
         return await self._run(("scatter", root), body, agree=True)
 
     async def all_to_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Element ``j`` of the result is what rank ``j`` put at position ``rank`` of its ``arrays``."""
+        """Element ``j`` of the result is what rank ``j`` put at position ``rank`` of its
+        ``arrays``."""
         if arrays is None or len(arrays) != self.world_size:
             raise ValueError(f"all_to_all needs a sequence of {self.world_size} arrays")
         items = [_check_array(x, f"arrays[{j}]") for j, x in enumerate(arrays)]
@@ -660,7 +662,8 @@ class Communicator:
     # -- point to point -------------------------------------------------------------------
 
     def _check_tag(self, tag: Any) -> int:
-        if isinstance(tag, bool) or not isinstance(tag, int | np.integer) or not 0 <= tag <= _MAX_TAG:
+        if (isinstance(tag, bool) or not isinstance(tag, int | np.integer)
+                or not 0 <= tag <= _MAX_TAG):
             raise ValueError(f"tag must be an int in [0, 2**63), got {tag!r}")
         return int(tag)
 

@@ -411,7 +411,7 @@ async def _read_handshake_frame(reader: asyncio.StreamReader, step: str) -> Fram
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            token: str | bytes | None, *, role: str, rank: int | None = None,
-                           job: str = "", timeout: float = 5.0,  # noqa: ASYNC109
+                           job: str = "", timeout: float = 5.0,
                            ) -> dict[str, Any]:
     """Run the client side of the handshake over asyncio streams; return the WELCOME meta.
 
@@ -438,7 +438,7 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            token: str | bytes | None, *, job: str = "",
-                           timeout: float = 5.0,  # noqa: ASYNC109
+                           timeout: float = 5.0,
                            welcome_meta: dict[str, Any] | None = None) -> ServerHandshake:
     """Run the server side of the handshake over asyncio streams.
 

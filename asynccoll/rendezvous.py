@@ -20,9 +20,11 @@ host, port, meta) and ``generation`` (an int that ``bump_generation`` increments
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
+import operator
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -480,7 +482,8 @@ class RendezvousServer:
             # Earlier keys may be deleted while later ones are awaited; wait() promises that
             # each key existed at some moment, which is what barriers built on it need.
             for key in keys:
-                await self._wait_until(("key", key), lambda k=key: k in data)
+                present = functools.partial(operator.contains, data, key)
+                await self._wait_until(("key", key), present)
 
         async def later() -> _Result:
             await self._bounded(wait_all(), timeout,
@@ -699,7 +702,7 @@ class RendezvousClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, *, token: str | bytes | None = None,
-                      job: str = "", timeout: float = 30.0,  # noqa: ASYNC109
+                      job: str = "", timeout: float = 30.0,
                       connect_retry: bool = True,
                       rank: int | None = None,
                       max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> RendezvousClient:
@@ -873,7 +876,7 @@ class RendezvousClient:
         await self._call("set", {"key": _check_key(key)}, _as_bytes(value, "value"))
 
     async def get(self, key: str, *, wait: bool = True,
-                  timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+                  timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` s for it to exist.
 
         Raises:
@@ -889,7 +892,7 @@ class RendezvousClient:
         return bytes(payload)
 
     async def wait(self, keys: str | Sequence[str],
-                   timeout: float | None = None) -> None:  # noqa: ASYNC109
+                   timeout: float | None = None) -> None:
         """Return once every key in ``keys`` exists (each existed at some moment).
 
         Raises:
@@ -955,7 +958,7 @@ class RendezvousClient:
         return self._field(meta, "removed", bool)
 
     async def roster(self, world_size: int | None = None,
-                     timeout: float | None = None, *,  # noqa: ASYNC109
+                     timeout: float | None = None, *,
                      generation: int | None = None) -> dict[str, Any]:
         """The roster of the current generation:
         ``{"generation": int, "members": {rank: [host, port, meta]}}``.

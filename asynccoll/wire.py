@@ -107,7 +107,8 @@ class FrameHeader:
                          ("src", _U32)):
             value = getattr(self, name)
             if type(value) is not int or not 0 <= value <= hi:
-                raise ProtocolError(f"header field {name!r} must be an int in [0, {hi}], got {value!r}")
+                raise ProtocolError(
+                    f"header field {name!r} must be an int in [0, {hi}], got {value!r}")
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
             raise ProtocolError(f"unsupported dtype {self.dtype!r}")
         if self.shape is not None:
@@ -218,8 +219,8 @@ def encode_frame_bytes(frame: Frame) -> bytes:
 
 # ----------------------------------------------------------------------------------- decoding
 
-def parse_prefix(prefix: bytes | bytearray | memoryview, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES
-                 ) -> tuple[FrameKind, int, int]:
+def parse_prefix(prefix: bytes | bytearray | memoryview,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[FrameKind, int, int]:
     """Validate a 20-byte prefix; return ``(kind, header_len, payload_len)``.
 
     Raises:
@@ -394,7 +395,8 @@ def array_view(payload: Any, dtype: str, shape: Sequence[int]) -> np.ndarray:
 
 __all__ = [
     "CLOSED", "DEFAULT_MAX_PAYLOAD_BYTES", "MAGIC", "MAX_HEADER_BYTES", "NEED_DATA", "PREFIX_SIZE",
-    "VERSION", "BufferedFrameReader", "Frame", "FrameDecoder", "FrameHeader", "FrameKind", "array_view", "check_payload",
+    "VERSION", "BufferedFrameReader", "Frame", "FrameDecoder", "FrameHeader", "FrameKind",
+    "array_view", "check_payload",
     "decode_frames", "decode_header", "dtype_code", "encode_frame", "encode_frame_bytes",
     "encode_head", "parse_prefix",
 ]
@@ -445,13 +447,13 @@ class BufferedFrameReader:
             ProtocolError: the stream broke the protocol; the connection must be closed.
         """
         if self._pending is not None:
-            kind, header, owner, view, filled = self._pending
+            p_kind, p_header, p_owner, p_view, filled = self._pending
             filled += nbytes
-            if filled < view.nbytes:
-                self._pending = (kind, header, owner, view, filled)
+            if filled < p_view.nbytes:
+                self._pending = (p_kind, p_header, p_owner, p_view, filled)
                 return []
             self._pending = None
-            return [Frame(kind, header, owner)]
+            return [Frame(p_kind, p_header, p_owner)]
         self._end += nbytes
         frames: list[Frame] = []
         stage = self._view

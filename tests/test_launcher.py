@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -44,10 +45,32 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_fixed_port() -> int:
+    """A port that is free now and outside the ephemeral range, for a server that must listen
+    on a port chosen in advance (MASTER_PORT). Outside the range, no outgoing connection can
+    take it in the meantime, and a client retrying before the server listens cannot connect
+    to itself (TCP self-connect)."""
+    lo, hi = _ephemeral_range()
+    candidates = [p for p in range(20000, 32000) if not lo <= p <= hi] or list(range(hi + 1,
+                                                                                   65535))
+    rng = random.Random()
+    for port in rng.sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 def pid_exists(pid: int) -> bool:
@@ -257,20 +280,18 @@ def test_ctrl_c_stops_everything(reaper: Callable[..., Proc]) -> None:
 
 # ------------------------------------------------------------------ without the launcher
 
+LISTENING = re.compile(r"rendezvous server listening on [^\s:]+:(\d+)")
+
+
 def test_standalone_rendezvous_and_hand_started_ranks(reaper: Callable[..., Proc]) -> None:
-    port = free_port()
     token = "hand-started-token"
-    rdv = reaper([sys.executable, "-m", "asynccoll", "rendezvous", "--port", str(port),
+    # port 0: the server picks a free port and logs it (-v: INFO), so nothing can race us for it
+    rdv = reaper([sys.executable, "-m", "asynccoll", "-v", "rendezvous", "--port", "0",
                   "--token", token])
-    deadline = time.monotonic() + 20
-    while True:  # wait until it listens
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            assert rdv.popen.poll() is None, rdv.output
-            assert time.monotonic() < deadline, "the rendezvous server never listened"
-            time.sleep(0.05)
+    assert rdv.wait_for(lambda lines: any(LISTENING.search(x) for x in lines), 30), rdv.output
+    match = LISTENING.search(rdv.output)
+    assert match is not None
+    port = int(match.group(1))
 
     ranks = [reaper([sys.executable, str(HELPERS / "allreduce_check.py")], clean_env(
         ASYNCCOLL_RENDEZVOUS=f"127.0.0.1:{port}", ASYNCCOLL_RANK=str(r),
@@ -288,12 +309,18 @@ def test_standalone_rendezvous_and_hand_started_ranks(reaper: Callable[..., Proc
 
 
 def test_torchrun_style_environment(reaper: Callable[..., Proc]) -> None:
-    port = free_port()
-    # rank 1 first: it must wait (retrying) for rank 0 to host the rendezvous on MASTER_PORT
-    ranks = {r: reaper([sys.executable, str(HELPERS / "allreduce_check.py")], clean_env(
-        RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-        for r in (1, 0)}
-    for r, p in ranks.items():
-        code = p.finish(45)
-        assert code == 0, p.output
-        assert f"OK rank {r}" in p.output, p.output
+    for _attempt in range(3):
+        port = free_fixed_port()
+        # rank 1 first: it must wait (retrying) for rank 0 to host the rendezvous on MASTER_PORT
+        ranks = {r: reaper([sys.executable, str(HELPERS / "allreduce_check.py")], clean_env(
+            RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+            for r in (1, 0)}
+        if ranks[0].finish(45) != 0 and "address already in use" in ranks[0].output:
+            ranks[1].kill()  # someone took the port between our check and rank 0's bind
+            continue
+        for r, p in ranks.items():
+            code = p.finish(45)
+            assert code == 0, p.output
+            assert f"OK rank {r}" in p.output, p.output
+        return
+    pytest.fail("could not find a free MASTER_PORT in 3 attempts")

@@ -56,7 +56,8 @@ class MemoryTransport(Transport):
     def _receive(self, head: bytes, payload: memoryview) -> None:
         """Decode a frame as a socket reader would, and hand it to the mailbox."""
         try:
-            kind, header_len, payload_len = parse_prefix(head[:PREFIX_SIZE], self._world.max_payload)
+            kind, header_len, payload_len = parse_prefix(head[:PREFIX_SIZE],
+                                                         self._world.max_payload)
             header = decode_header(head[PREFIX_SIZE:PREFIX_SIZE + header_len])
             check_payload(kind, header, payload_len)
         except ProtocolError:  # pragma: no cover - our own encoder produced these bytes

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -304,8 +305,11 @@ class TcpTransport(Transport):
         if dialing is None:
             dialing = asyncio.ensure_future(self._dial(dst))
             self._dialing[dst] = dialing
-            dialing.add_done_callback(lambda _f, d=dst: self._dialing.pop(d, None))
+            dialing.add_done_callback(functools.partial(self._dial_done, dst))
         return await asyncio.shield(dialing)
+
+    def _dial_done(self, dst: int, _fut: object) -> None:
+        self._dialing.pop(dst, None)
 
     async def _dial(self, dst: int) -> _Connection:
         if dst in self.mailbox._lost:
