@@ -81,7 +81,7 @@ def logs() -> Iterator[LogWatch]:
 
 
 @contextlib.asynccontextmanager
-async def tcp_world(world_size: int, *, token: str | None = TOKEN, timeout: float = 20.0,  # noqa: ASYNC109
+async def tcp_world(world_size: int, *, token: str | None = TOKEN, timeout: float = 20.0,
                     handshake_timeout: float = 5.0
                     ) -> AsyncIterator[tuple[RendezvousServer, list[Communicator]]]:
     """A rendezvous server we hold (to reach its port) and ``world_size`` TCP ranks."""
