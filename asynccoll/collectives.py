@@ -36,7 +36,7 @@ from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
 from .ops import ReduceOp, check_op, combine, combine_ordered, finish
 from .transport.base import Transport, describe_sig
 from .tuning import Tuning
-from .wire import FrameHeader, FrameKind, array_view, dtype_code
+from .wire import Frame, FrameKind, array_view, dtype_code, encode_data_head
 
 T = TypeVar("T")
 
@@ -78,16 +78,11 @@ def _row_bounds(rows: int, row_size: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-async def _concurrently(*aws: Awaitable[Any]) -> list[Any]:
-    """Run awaitables concurrently; on the first failure cancel the rest and raise it."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+async def _settle(pending: list[asyncio.Future[None] | None]) -> None:
+    """Wait for posted sends (see Transport.post) to release their payloads."""
+    for p in pending:
+        if p is not None:
+            await p
 
 
 def _pack_object(obj: Any) -> np.ndarray:
@@ -103,12 +98,18 @@ def _unpack_object(a: np.ndarray) -> Any:
 
 
 class _Call:
-    """One collective in flight: its sequence number and signature, and peer I/O by group rank."""
+    """One collective in flight: its sequence number and signature, and peer I/O by group rank.
 
-    __slots__ = ("group", "rank", "ranks", "seq", "sig", "size", "t", "tuning")
+    Sends are *posted* (:meth:`post` never blocks; it returns a future when the payload is
+    still in use) and receives can be posted ahead (:meth:`post_recv`), so algorithms overlap
+    transfers with each other and with reductions without creating tasks.
+    """
+
+    __slots__ = ("group", "rank", "ranks", "seq", "sig", "size", "src", "t", "tuning")
 
     def __init__(self, comm: Communicator, seq: int, sig: tuple[Any, ...]) -> None:
         self.t = comm._transport
+        self.src = self.t.rank
         self.ranks = comm._ranks
         self.group = comm._group
         self.rank = comm._rank
@@ -117,41 +118,77 @@ class _Call:
         self.sig = sig
         self.tuning = comm.tuning
 
+    def post(self, peer: int, step: int, arr: np.ndarray) -> asyncio.Future[None] | None:
+        """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
+        head = encode_data_head(FrameKind.DATA, self.group, self.seq, step, 0, self.src,
+                                dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
+        return self.t.post(self.ranks[peer], head, _bytes_view(arr))
+
     async def send(self, peer: int, step: int, arr: np.ndarray) -> None:
-        header = FrameHeader(group=self.group, seq=self.seq, step=step, src=self.t.rank,
-                             dtype=dtype_code(arr.dtype), shape=tuple(arr.shape), sig=self.sig)
-        await self.t.send(self.ranks[peer], FrameKind.DATA, header, _bytes_view(arr))
+        pending = self.post(peer, step, arr)
+        if pending is not None:
+            await pending
+            self.t.check_sendable()
+
+    def post_recv(self, peer: int, step: int, into: np.ndarray | None = None) -> _Recv:
+        """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later."""
+        key = (self.ranks[peer], int(FrameKind.DATA), self.group, self.seq, step, 0)
+        view = _bytes_view(into) if into is not None else None
+        return _Recv(self, peer, into, view, self.t.post_recv(key, view, self.sig))
 
     async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
                    resize: bool = False) -> np.ndarray:
-        """Receive the frame of ``step`` from group rank ``peer``.
-
-        With ``into``, its data lands there and ``into`` is returned; if the sender's array had
-        another size and ``resize`` is set, a new array of the sender's shape is returned.
-        """
-        key = (self.ranks[peer], int(FrameKind.DATA), self.group, self.seq, step, 0)
-        view = _bytes_view(into) if into is not None else None
-        frame = await self.t.recv(key, view, self.sig)
-        h = frame.header
-        if h.sig != self.sig:  # the mailbox caught it already; never hand out such data
-            raise CollectiveError(f"collective mismatch: {describe_sig(h.sig)} "
-                                  f"vs {describe_sig(self.sig)}")
-        if into is not None and frame.payload is view and (not resize or h.shape == into.shape):
-            return into
-        if into is not None and not resize:
-            raise CollectiveError(f"group rank {peer} sent {h.shape} where {into.shape} "
-                                  f"was expected")
-        assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
-        if frame.payload is view:  # zero bytes either way, only the shape differs
-            return np.empty(h.shape, into.dtype if into is not None else h.dtype)
-        return array_view(frame.payload, h.dtype, h.shape)
+        """Receive the frame of ``step`` from group rank ``peer`` (see :meth:`_Recv.get`)."""
+        return await self.post_recv(peer, step, into).get(resize=resize)
 
     async def exchange(self, dst: int, arr: np.ndarray, src: int, into: np.ndarray | None,
                        step: int, *, resize: bool = False) -> np.ndarray:
-        """Send ``arr`` to ``dst`` while receiving from ``src`` (see :meth:`recv`)."""
-        _, got = await _concurrently(self.send(dst, step, arr),
-                                     self.recv(src, step, into, resize=resize))
-        return got  # type: ignore[no-any-return]
+        """Send ``arr`` to ``dst`` while receiving from ``src`` (see :meth:`_Recv.get`)."""
+        pending = self.post(dst, step, arr)
+        got = await self.recv(src, step, into, resize=resize)
+        if pending is not None:
+            await pending
+            self.t.check_sendable()
+        return got
+
+
+class _Recv:
+    """A posted receive."""
+
+    __slots__ = ("call", "fut", "into", "peer", "view")
+
+    def __init__(self, call: _Call, peer: int, into: np.ndarray | None, view: memoryview | None,
+                 fut: asyncio.Future[Frame]) -> None:
+        self.call = call
+        self.peer = peer
+        self.into = into
+        self.view = view
+        self.fut = fut
+
+    async def get(self, *, resize: bool = False) -> np.ndarray:
+        """The received array: ``into`` when the data landed there.
+
+        With ``resize``, a sender's array of another shape comes back as a new array;
+        without, it is an error.
+        """
+        frame = await self.fut
+        h = frame.header
+        sig = self.call.sig
+        if h.sig != sig:  # the mailbox caught it already; never hand out such data
+            raise CollectiveError(f"collective mismatch: {describe_sig(h.sig)} "
+                                  f"vs {describe_sig(sig)}")
+        assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
+        into = self.into
+        if into is not None:
+            landed = frame.payload is self.view
+            if landed and (not resize or h.shape == into.shape):
+                return into
+            if not resize:
+                raise CollectiveError(f"group rank {self.peer} sent {h.shape} where "
+                                      f"{into.shape} was expected")
+            if landed:  # zero bytes either way, only the shape differs
+                return np.empty(h.shape, into.dtype)
+        return array_view(frame.payload, h.dtype, h.shape)
 
 
 # ------------------------------------------------------------------------------ algorithms
@@ -163,8 +200,9 @@ async def _recursive_doubling(call: _Call, flat: np.ndarray, op: ReduceOp) -> No
     extra = w - p
     rounds = p.bit_length() - 1
     if r >= p:  # fold: hand my data to a partner, get the result back
-        await call.send(r - p, 0, flat)
+        pending = call.post(r - p, 0, flat)
         await call.recv(r - p, rounds + 1, flat)
+        await _settle([pending])
         return
     scratch = np.empty_like(flat)
     if r < extra:
@@ -180,30 +218,94 @@ async def _recursive_doubling(call: _Call, flat: np.ndarray, op: ReduceOp) -> No
         await call.send(r + p, rounds + 1, flat)
 
 
-async def _ring_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
-                               op: ReduceOp, step0: int, *, inplace: bool) -> np.ndarray:
-    """Ring reduce-scatter: returns block ``call.rank`` reduced over all ranks.
+def _segments(start: int, stop: int, nseg: int) -> list[tuple[int, int]]:
+    n = stop - start
+    return [(start + n * k // nseg, start + n * (k + 1) // nseg) for k in range(nseg)]
 
-    ``inplace``: partial sums are written into ``flat`` (which ends with garbage in the other
-    blocks); otherwise ``flat`` is left untouched and partial sums travel in two scratch blocks.
+
+async def _ring(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp | None,
+                *, reduce_steps: int, gather_steps: int, out: np.ndarray | None = None) -> None:
+    """The pipelined ring behind all_reduce, reduce_scatter and all_gather.
+
+    ``flat`` is split into ``W`` blocks (``bounds``) and each block into segments. The first
+    ``reduce_steps`` steps receive a partial block from the left, reduce it with the local
+    one and forward it (reduce-scatter); the next ``gather_steps`` steps receive a finished
+    block and forward it (all-gather). Each segment is forwarded as soon as it is ready, and
+    the receives of the next step are posted before the current step is processed, so the
+    socket fills the right memory while NumPy reduces.
+
+    Reduce-scatter steps write partial sums into ``flat`` itself unless ``out`` is given (a
+    ``2 * block`` scratch that then also holds the finished block ``rank`` at offset 0 or
+    ``block``, see the caller), in which case ``flat`` is only read.
     """
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
     width = max(stop - start for start, stop in bounds)
-    bufs = [np.empty(width, flat.dtype) for _ in range(1 if inplace else 2)]
-    start, stop = bounds[(r - 1) % w]
-    outgoing = flat[start:stop]
-    for s in range(w - 1):
-        start, stop = bounds[(r - s - 2) % w]
-        scratch = bufs[s % len(bufs)][: stop - start]
-        got = await call.exchange(right, outgoing, left, scratch, step0 + s)
-        if inplace:
-            combine(flat[start:stop], got, op)
-            outgoing = flat[start:stop]
-        else:
-            combine(got, flat[start:stop], op)
-            outgoing = got
-    return outgoing
+    seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
+    nseg = max(1, -(-width // seg))
+    total = reduce_steps + gather_steps
+    inplace = out is None
+    scratch = np.empty(2 * width, flat.dtype) if (reduce_steps and inplace) else out
+
+    def block(s: int) -> int:  # block received at step s
+        return (r - s - 2) % w if s < reduce_steps else (r - (s - reduce_steps) - 1) % w
+
+    def targets(s: int) -> list[np.ndarray]:
+        start, stop = bounds[block(s)]
+        if s < reduce_steps:
+            assert scratch is not None
+            base = (s % 2) * width - start
+            return [scratch[base + a:base + b] for a, b in _segments(start, stop, nseg)]
+        return [flat[a:b] for a, b in _segments(start, stop, nseg)]
+
+    first = (r - 1) % w if reduce_steps else r
+    pending = [call.post(right, k, flat[a:b])
+               for k, (a, b) in enumerate(_segments(*bounds[first], nseg))]
+    # sends that still read a scratch half must finish before the half receives again
+    # (in place, sends read ``flat``, which a later step never overwrites before the data
+    # went round the ring)
+    reading: list[list[asyncio.Future[None] | None]] = [[], []]
+
+    async def post_step(s: int) -> list[_Recv]:
+        if s < reduce_steps and not inplace:
+            await _settle(reading[s % 2])
+            reading[s % 2] = []
+        return [call.post_recv(left, s * nseg + k, t) for k, t in enumerate(targets(s))]
+
+    posted = await post_step(0) if total else []
+    for s in range(total):
+        current = posted
+        if s + 1 < total:
+            posted = await post_step(s + 1)
+        start, stop = bounds[block(s)]
+        for k, (a, b) in enumerate(_segments(start, stop, nseg)):
+            got = await current[k].get()
+            if s < reduce_steps:
+                assert op is not None
+                if inplace:
+                    combine(flat[a:b], got, op)
+                    ready = flat[a:b]
+                else:
+                    combine(got, flat[a:b], op)
+                    ready = got
+            else:
+                ready = flat[a:b]
+            if s + 1 < total:
+                fut = call.post(right, (s + 1) * nseg + k, ready)
+                (pending if inplace or s >= reduce_steps else reading[s % 2]).append(fut)
+    await _settle(pending + reading[0] + reading[1])
+
+
+async def _ring_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
+                               op: ReduceOp) -> np.ndarray:
+    """Ring reduce-scatter leaving ``flat`` untouched; returns block ``rank`` reduced (new)."""
+    w = call.size
+    width = max(stop - start for start, stop in bounds)
+    scratch = np.empty(2 * width, flat.dtype)
+    await _ring(call, flat, bounds, op, reduce_steps=w - 1, gather_steps=0, out=scratch)
+    base = ((w - 2) % 2) * width  # the last reduce step's half of the scratch
+    start, stop = bounds[call.rank]
+    return scratch[base:base + stop - start]
 
 
 async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], step0: int) -> bool:
@@ -212,27 +314,31 @@ async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], step0: int) ->
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
     even = True
+    pending = [call.post(right, step0, blocks[r])]
     for s in range(w - 1):
         idx = (r - s - 1) % w
-        got = await call.exchange(right, blocks[(r - s) % w], left, blocks[idx], step0 + s,
-                                  resize=True)
+        got = await call.recv(left, step0 + s, blocks[idx], resize=True)
         if got is not blocks[idx]:
             blocks[idx] = got
             even = False
+        if s + 1 < w - 1:
+            pending.append(call.post(right, step0 + s + 1, got))
+    await _settle(pending)
     return even
 
 
 async def _direct_all_gather(call: _Call, blocks: list[np.ndarray]) -> bool:
     w, r = call.size, call.rank
-    mine = blocks[r]
     peers = [j for j in range(w) if j != r]
-    results = await _concurrently(*(call.send(j, 0, mine) for j in peers),
-                                  *(call.recv(j, 0, blocks[j], resize=True) for j in peers))
+    posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
+    pending = [call.post(j, 0, blocks[r]) for j in peers]
     even = True
-    for j, got in zip(peers, results[len(peers):], strict=True):
+    for j, rcv in zip(peers, posted, strict=True):
+        got = await rcv.get(resize=True)
         if got is not blocks[j]:
             blocks[j] = got
             even = False
+    await _settle(pending)
     return even
 
 
@@ -243,46 +349,35 @@ async def _binomial_broadcast(call: _Call, root: int, flat: np.ndarray | None) -
     mask = 1
     while mask < w:
         if vr & mask:
-            got = await call.recv((vr - mask + root) % w, 0, flat, resize=flat is None)
-            flat = got
+            flat = await call.recv((vr - mask + root) % w, 0, flat, resize=flat is None)
             break
         mask <<= 1
     assert flat is not None
-    data = flat
-    sends = []
+    pending = []
     mask >>= 1
     while mask > 0:
         if vr + mask < w:
-            sends.append(call.send((vr + mask + root) % w, 0, data))
+            pending.append(call.post((vr + mask + root) % w, 0, flat))
         mask >>= 1
-    await _concurrently(*sends)
-    return data
+    await _settle(pending)
+    return flat
 
 
 async def _chain_broadcast(call: _Call, root: int, flat: np.ndarray) -> None:
-    """Pipelined chain root -> root+1 -> ...: segment k is forwarded while k+1 arrives."""
+    """Pipelined chain root -> root+1 -> ...: segment k is forwarded as soon as it arrives."""
     w, r = call.size, call.rank
     vr = (r - root) % w
     prev, nxt = (r - 1) % w, (r + 1) % w
     seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
-    nseg = max(1, math.ceil(flat.size / seg))
-    pending: asyncio.Future[None] | None = None
-    try:
-        for k in range(nseg):
-            part = flat[k * seg:(k + 1) * seg]
-            if vr > 0:
-                await call.recv(prev, k, part)
-            if vr < w - 1:
-                if pending is not None:
-                    await pending
-                pending = asyncio.ensure_future(call.send(nxt, k, part))
-        if pending is not None:
-            await pending
-    except BaseException:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        raise
+    parts = [flat[a:b] for a, b in _segments(0, flat.size, max(1, -(-flat.size // seg)))]
+    posted = [call.post_recv(prev, k, part) for k, part in enumerate(parts)] if vr else []
+    pending = []
+    for k, part in enumerate(parts):
+        if vr:
+            await posted[k].get()
+        if vr < w - 1:
+            pending.append(call.post(nxt, k, part))
+    await _settle(pending)
 
 
 async def _binomial_reduce(call: _Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
@@ -309,14 +404,16 @@ async def _ring_reduce(call: _Call, root: int, flat: np.ndarray, op: ReduceOp) -
     """Ring reduce-scatter, then every rank sends its reduced block to the root."""
     w, r = call.size, call.rank
     bounds = _row_bounds(flat.size, 1, w)
-    mine = await _ring_reduce_scatter(call, flat, bounds, op, 0, inplace=False)
+    mine = await _ring_reduce_scatter(call, flat, bounds, op)
     if r != root:
-        await call.send(root, w, mine)
+        await call.send(root, 1 << 30, mine)
         return
+    posted = [call.post_recv(j, 1 << 30, flat[bounds[j][0]:bounds[j][1]])
+              for j in range(w) if j != root]
     start, stop = bounds[r]
     flat[start:stop] = mine
-    await _concurrently(*(call.recv(j, w, flat[bounds[j][0]:bounds[j][1]])
-                          for j in range(w) if j != root))
+    for rcv in posted:
+        await rcv.get()
 
 
 async def _direct_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
@@ -326,11 +423,11 @@ async def _direct_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tup
     out = flat[start:stop].copy()
     peers = [j for j in range(w) if j != r]
     scratch = [np.empty(stop - start, flat.dtype) for _ in peers]
-    results = await _concurrently(
-        *(call.send(j, 0, flat[bounds[j][0]:bounds[j][1]]) for j in peers),
-        *(call.recv(j, 0, buf) for j, buf in zip(peers, scratch, strict=True)))
-    for got in results[len(peers):]:
-        combine(out, got, op)
+    posted = [call.post_recv(j, 0, buf) for j, buf in zip(peers, scratch, strict=True)]
+    pending = [call.post(j, 0, flat[bounds[j][0]:bounds[j][1]]) for j in peers]
+    for rcv in posted:
+        combine(out, await rcv.get(), op)
+    await _settle(pending)
     return out
 
 
@@ -429,33 +526,38 @@ class Communicator:
         rank raises (a root that only sends would otherwise return) and ranks that disagree
         about the root cannot all sit waiting.
         """
-        self._check_open()
+        if self._closed:
+            raise CommunicatorClosedError("the communicator was closed")
+        t = self._transport
         seq = self._seq
+        # a failure in a later collective lets this one finish if every rank got past it
+        t.check_usable(self._group, seq)
         self._seq += 1
         call = _Call(self, seq, sig)
         if self.world_size == 1:
             return await body(call)
-        t = self._transport
         t.mailbox.begin(self._group, seq, sig)
-        name = describe_sig(sig)
+        scope = (self._group, seq)
         try:
             async with asyncio.timeout(self.timeout):
                 if agree:
                     await _dissemination_barrier(call, AGREE_STEP)
                 return await body(call)
         except TimeoutError:
-            err = CollectiveTimeout(f"{name} on group rank {self._rank} made no progress "
-                                    f"within {self.timeout:g} s")
-            t.abort(err)
+            err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made no "
+                                    f"progress within {self.timeout:g} s")
+            t.abort(err, scope=scope)
             raise err from None
         except asyncio.CancelledError:
-            t.abort(CollectiveError(f"{name} was cancelled on group rank {self._rank}"))
+            t.abort(CollectiveError(f"{describe_sig(sig)} was cancelled on group rank "
+                                    f"{self._rank}"), scope=scope)
             raise
         except CollectiveError as exc:
-            t.abort(exc)
+            t.abort(exc, scope=scope)
             raise
         except Exception as exc:
-            t.abort(CollectiveError(f"{name} failed on group rank {self._rank}: {exc!r}"))
+            t.abort(CollectiveError(f"{describe_sig(sig)} failed on group rank {self._rank}: "
+                                    f"{exc!r}"), scope=scope)
             raise
         finally:
             t.mailbox.end(self._group, seq)
@@ -525,10 +627,8 @@ class Communicator:
             flat = a.reshape(-1)
             if call.size > 1:
                 if algo == "ring":
-                    bounds = _row_bounds(flat.size, 1, call.size)
-                    await _ring_reduce_scatter(call, flat, bounds, op, 0, inplace=True)
-                    blocks = [flat[s:e] for s, e in bounds]
-                    await _ring_all_gather(call, blocks, call.size - 1)
+                    await _ring(call, flat, _row_bounds(flat.size, 1, call.size), op,
+                                reduce_steps=call.size - 1, gather_steps=call.size - 1)
                 else:
                     await _recursive_doubling(call, flat, op)
             finish(a, op, call.size)
@@ -555,7 +655,7 @@ class Communicator:
             if call.size == 1:
                 out = flat.copy()
             elif algo == "ring":
-                out = (await _ring_reduce_scatter(call, flat, bounds, op, 0, inplace=False)).copy()
+                out = await _ring_reduce_scatter(call, flat, bounds, op)
             else:
                 out = await _direct_reduce_scatter(call, flat, bounds, op)
             finish(out, op, call.size)
@@ -608,7 +708,8 @@ class Communicator:
                 await call.send(root, 0, a)
                 return None
             out = [a.copy() if j == root else np.empty_like(a) for j in range(call.size)]
-            await _concurrently(*(call.recv(j, 0, out[j]) for j in range(call.size) if j != root))
+            for rcv in [call.post_recv(j, 0, out[j]) for j in range(call.size) if j != root]:
+                await rcv.get()
             return out
 
         return await self._run(("gather", *_sig_array(a), root), body, agree=True)
@@ -627,8 +728,7 @@ class Communicator:
 
         async def body(call: _Call) -> np.ndarray:
             if call.rank == root:
-                await _concurrently(*(call.send(j, 0, items[j])
-                                      for j in range(call.size) if j != root))
+                await _settle([call.post(j, 0, items[j]) for j in range(call.size) if j != root])
                 return items[root].copy()
             return await call.recv(root, 0)
 
@@ -681,11 +781,11 @@ class Communicator:
         n = self._p2p_sent.get((dst, tag), 0)
         self._p2p_sent[(dst, tag)] = n + 1
         t = self._transport
-        header = FrameHeader(group=self._group, seq=n, step=0, tag=tag, src=t.rank,
-                             dtype=dtype_code(a.dtype), shape=tuple(a.shape))
+        head = encode_data_head(FrameKind.P2P, self._group, n, 0, tag, t.rank,
+                                dtype_code(a.dtype), a.shape, None, a.nbytes)
         try:
             async with asyncio.timeout(self.timeout):
-                await t.send(self._ranks[dst], FrameKind.P2P, header, _bytes_view(a))
+                await t.send(self._ranks[dst], head, _bytes_view(a))
         except TimeoutError:
             err = CollectiveTimeout(f"send to group rank {dst} made no progress within "
                                     f"{self.timeout:g} s")

@@ -32,6 +32,7 @@ from typing import Any, Final
 
 import msgpack
 
+from ._aio import close_server
 from .errors import AuthenticationError, ProtocolError, RendezvousError
 from .handshake import client_handshake, read_frame, server_handshake, write_frame
 from .wire import Frame, FrameHeader, FrameKind
@@ -313,12 +314,14 @@ class RendezvousServer:
         """
         self._closing = True
         if self._server is not None:
-            self._server.close()
+            await close_server(self._server)
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.wait({self._supervisor})
         if self._server is not None:
             await self._server.wait_closed()
+        for _ in range(3):  # let connections aborted in _on_connect close their sockets
+            await asyncio.sleep(0)
 
     # ------------------------------------------------------------------------- connections
 

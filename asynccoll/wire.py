@@ -15,6 +15,7 @@ A frame is::
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
@@ -200,6 +201,22 @@ def encode_head(kind: FrameKind | int, header: FrameHeader, payload_len: int) ->
     return PREFIX.pack(MAGIC, VERSION, int(kind), 0, len(body), payload_len) + body
 
 
+def encode_data_head(kind: int, group: int, seq: int, step: int, tag: int, src: int,
+                     dtype: str, shape: tuple[int, ...], sig: tuple[Any, ...] | None,
+                     payload_len: int) -> bytes:
+    """:func:`encode_head` for DATA and P2P frames, without building a FrameHeader.
+
+    The hot path of every collective: the caller vouches for the field values (they come from
+    the library, not from the wire); the bytes are the same canonical encoding.
+    """
+    obj: dict[str, Any] = {"g": group, "q": seq, "s": step, "t": tag, "r": src, "d": dtype,
+                           "h": shape}
+    if sig is not None:
+        obj["c"] = sig
+    body = msgpack.packb(obj, use_bin_type=True)
+    return PREFIX.pack(MAGIC, VERSION, kind, 0, len(body), payload_len) + body
+
+
 def encode_frame(frame: Frame) -> list[Any]:
     """Buffers to write, in order: ``[prefix+header]`` or ``[prefix+header, payload]``.
 
@@ -377,6 +394,7 @@ def decode_frames(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> 
 
 # ----------------------------------------------------------------------------------- arrays
 
+@functools.lru_cache(maxsize=64)
 def dtype_code(dtype: np.dtype[Any]) -> str:
     """The wire name of a dtype (numpy ``dtype.str`` in little-endian order)."""
     code = dtype.str if dtype.itemsize == 1 else dtype.newbyteorder("<").str
@@ -394,11 +412,28 @@ def array_view(payload: Any, dtype: str, shape: Sequence[int]) -> np.ndarray:
 
 
 __all__ = [
-    "CLOSED", "DEFAULT_MAX_PAYLOAD_BYTES", "MAGIC", "MAX_HEADER_BYTES", "NEED_DATA", "PREFIX_SIZE",
-    "VERSION", "BufferedFrameReader", "Frame", "FrameDecoder", "FrameHeader", "FrameKind",
-    "array_view", "check_payload",
-    "decode_frames", "decode_header", "dtype_code", "encode_frame", "encode_frame_bytes",
-    "encode_head", "parse_prefix",
+    "CLOSED",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "NEED_DATA",
+    "PREFIX_SIZE",
+    "VERSION",
+    "BufferedFrameReader",
+    "Frame",
+    "FrameDecoder",
+    "FrameHeader",
+    "FrameKind",
+    "array_view",
+    "check_payload",
+    "decode_frames",
+    "decode_header",
+    "dtype_code",
+    "encode_data_head",
+    "encode_frame",
+    "encode_frame_bytes",
+    "encode_head",
+    "parse_prefix",
 ]
 
 

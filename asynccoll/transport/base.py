@@ -39,6 +39,8 @@ log = logging.getLogger("asynccoll.transport")
 
 #: (src world rank, frame kind, group, seq, step, tag)
 Key = tuple[int, int, int, int, int, int]
+#: (group, seq) of the collective a failure happened in
+Scope = tuple[int, int]
 
 
 def frame_key(kind: int, header: FrameHeader) -> Key:
@@ -63,11 +65,18 @@ def describe_sig(sig: tuple[Any, ...] | None) -> str:
 class Mailbox:
     """Posted receives and early frames of one rank, matched by key. Not thread-safe.
 
-    ``on_mismatch`` is called with a :class:`CollectiveError` when a DATA frame's signature
-    differs from the local collective's; the transport then aborts the world.
+    ``on_mismatch`` is called with a :class:`CollectiveError` and the ``(group, seq)`` it
+    happened in when a DATA frame's signature differs from the local collective's; the
+    transport then aborts the world.
+
+    A failure has a *scope*: the collective ``(group, seq)`` it happened in, or ``None`` for
+    the whole world (a lost peer). Collectives of that group with a smaller sequence number
+    still run to the end (a rank that lags behind finishes the collectives every rank already
+    finished); everything else fails at once.
     """
 
-    def __init__(self, rank: int, on_mismatch: Callable[[CollectiveError], None]) -> None:
+    def __init__(self, rank: int,
+                 on_mismatch: Callable[[CollectiveError, Scope], None]) -> None:
         self.rank = rank
         self._posted: dict[Key, _Posted] = {}
         self._early: dict[Key, Frame] = {}
@@ -75,6 +84,7 @@ class Mailbox:
         self._early_sig: dict[tuple[int, int], tuple[int, tuple[Any, ...] | None]] = {}
         self._lost: dict[int, CollectiveError] = {}
         self._error: CollectiveError | None = None
+        self._scope: Scope | None = None
         self._on_mismatch = on_mismatch
 
     # -- the collective's side ------------------------------------------------------------
@@ -84,14 +94,14 @@ class Mailbox:
         self._active[(group, seq)] = sig
         early = self._early_sig.pop((group, seq), None)
         if early is not None and early[1] != sig:
-            self._mismatch(early[0], early[1], sig)
+            self._mismatch(early[0], early[1], sig, (group, seq))
 
     def end(self, group: int, seq: int) -> None:
         self._active.pop((group, seq), None)
 
     def take(self, key: Key, into: memoryview | None) -> Frame | None:
         """The frame for ``key`` if it arrived already (copied into ``into`` when given)."""
-        if self._error is not None:
+        if self._error is not None and not self._key_allowed(key):
             raise self._error
         frame = self._early.pop(key, None)
         if frame is None:
@@ -124,7 +134,7 @@ class Mailbox:
             self._early_sig.setdefault(gs, (header.src, header.sig))
             return True
         if header.sig != mine:
-            self._mismatch(header.src, header.sig, mine)
+            self._mismatch(header.src, header.sig, mine, gs)
             return False
         return True
 
@@ -140,7 +150,7 @@ class Mailbox:
 
         The frame's payload must be memory the receiver may keep (not the sender's buffer).
         """
-        if self._error is not None:
+        if self._error is not None and not self._key_allowed(key):
             return
         posted = self._posted.pop(key, None)
         if posted is None:
@@ -157,27 +167,60 @@ class Mailbox:
         self._lost.setdefault(src, exc)
         for key in [k for k in self._posted if k[0] == src]:
             posted = self._posted.pop(key)
-            if not posted.future.done():
-                posted.future.set_exception(exc)
+            _fail_future(posted.future, exc)
 
-    def fail(self, exc: CollectiveError) -> None:
-        """Fail every posted and future receive with ``exc`` (the world is broken)."""
+    def fail(self, exc: CollectiveError, scope: Scope | None = None) -> bool:
+        """Break the world from collective ``scope`` on (everything when ``None``).
+
+        Receives that may no longer complete fail with ``exc``. Returns whether this widened
+        the failure (the first failure, or one of wider scope).
+        """
         if self._error is None:
-            self._error = exc
-        posted, self._posted = self._posted, {}
-        self._early.clear()
-        for p in posted.values():
-            if not p.future.done():
-                p.future.set_exception(exc)
+            self._error, self._scope = exc, scope
+        elif self._scope is None:
+            return False
+        elif scope is None or scope[0] != self._scope[0]:
+            self._scope = None
+        elif scope[1] < self._scope[1]:
+            self._scope = scope
+        else:
+            return False
+        for key in [k for k in self._posted if not self._key_allowed(k)]:
+            _fail_future(self._posted.pop(key).future, exc)
+        for key in [k for k in self._early if not self._key_allowed(k)]:
+            del self._early[key]
+        return True
+
+    def allowed(self, group: int, seq: int) -> bool:
+        """Whether collective ``(group, seq)`` may still run (see the class docstring)."""
+        scope = self._scope
+        return self._error is None or (scope is not None and group == scope[0]
+                                       and seq < scope[1])
+
+    def _key_allowed(self, key: Key) -> bool:
+        return key[1] == FrameKind.DATA and self.allowed(key[2], key[3])
 
     @property
     def error(self) -> CollectiveError | None:
         return self._error
 
-    def _mismatch(self, src: int, theirs: tuple[Any, ...] | None, mine: tuple[Any, ...]) -> None:
+    @property
+    def scope(self) -> Scope | None:
+        return self._scope
+
+    def _mismatch(self, src: int, theirs: tuple[Any, ...] | None, mine: tuple[Any, ...],
+                  scope: Scope) -> None:
         self._on_mismatch(CollectiveError(
             f"collective mismatch: world rank {src} called {describe_sig(theirs)} "
-            f"but world rank {self.rank} called {describe_sig(mine)}"))
+            f"but world rank {self.rank} called {describe_sig(mine)}"), scope)
+
+
+def _fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail a posted receive; pipelined algorithms may never await every one of them, so the
+    exception is marked as retrieved (whoever awaits still gets it)."""
+    if not fut.done():
+        fut.set_exception(exc)
+        fut.exception()
 
 
 def _fill(frame: Frame, into: memoryview | None) -> Frame:
@@ -190,21 +233,25 @@ def _fill(frame: Frame, into: memoryview | None) -> Frame:
     return Frame(frame.kind, frame.header, into)
 
 
-def error_from_abort(frame: Frame) -> CollectiveError:
-    """Rebuild the exception an ABORT frame describes."""
+def error_from_abort(frame: Frame) -> tuple[CollectiveError, Scope | None]:
+    """Rebuild the exception an ABORT frame describes, and its scope."""
     meta = frame.header.meta or {}
     reason = str(meta.get("reason", "no reason given"))
     message = f"world rank {frame.header.src} aborted: {reason}"
+    group, seq = meta.get("group"), meta.get("seq")
+    scope = (group, seq) if type(group) is int and type(seq) is int else None
     if meta.get("error") == "PeerLostError":
         lost = meta.get("lost")
-        return PeerLostError(message, rank=lost if isinstance(lost, int) else None)
-    return CollectiveError(message)
+        return PeerLostError(message, rank=lost if isinstance(lost, int) else None), None
+    return CollectiveError(message), scope
 
 
-def abort_meta(exc: BaseException) -> dict[str, Any]:
+def abort_meta(exc: BaseException, scope: Scope | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"reason": str(exc), "error": type(exc).__name__}
     if isinstance(exc, PeerLostError) and exc.rank is not None:
         meta["lost"] = exc.rank
+    if scope is not None:
+        meta["group"], meta["seq"] = scope
     return meta
 
 
@@ -216,14 +263,19 @@ class Transport(abc.ABC):
         self.world_size = world_size
         self.mailbox = Mailbox(rank, self._on_mismatch)
         self._closed = False
-        #: bytes of payload handed to ``send`` (for accounting, e.g. compression tests)
+        #: bytes of payload handed to ``post`` (for accounting, e.g. compression tests)
         self.bytes_sent = 0
 
     # -- to implement ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def send(self, dst: int, kind: FrameKind, header: FrameHeader, payload: Any) -> None:
-        """Send one frame to world rank ``dst``; ``payload`` may be reused once this returns.
+    def post(self, dst: int, head: bytes, payload: memoryview | None
+             ) -> asyncio.Future[None] | None:
+        """Start sending one frame (``head`` = prefix + header from :mod:`asynccoll.wire`).
+
+        Never blocks. Returns ``None`` when ``payload`` may be reused already, else a future
+        that completes once it may (the caller must not touch ``payload`` before). Frames
+        posted to one ``dst`` arrive in the order they were posted.
 
         Raises:
             PeerLostError: ``dst`` is gone.
@@ -239,6 +291,23 @@ class Transport(abc.ABC):
         """Release connections; called once."""
 
     # -- shared ---------------------------------------------------------------------------
+
+    async def send(self, dst: int, head: bytes, payload: memoryview | None) -> None:
+        """:meth:`post`, then wait until ``payload`` may be reused."""
+        pending = self.post(dst, head, payload)
+        if pending is not None:
+            await pending
+            self.check_sendable()
+
+    def post_recv(self, key: Key, into: memoryview | None = None,
+                  sig: tuple[Any, ...] | None = None) -> asyncio.Future[Frame]:
+        """Post a receive; the future resolves with the frame (see :meth:`recv`)."""
+        frame = self.mailbox.take(key, into)
+        if frame is not None:
+            fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+            fut.set_result(frame)
+            return fut
+        return self.mailbox.post(key, into, sig)
 
     async def recv(self, key: Key, into: memoryview | None = None,
                    sig: tuple[Any, ...] | None = None) -> Frame:
@@ -256,32 +325,44 @@ class Transport(abc.ABC):
         finally:
             self.mailbox.unpost(key)
 
-    def check_usable(self) -> None:
+    def check_usable(self, group: int | None = None, seq: int | None = None) -> None:
+        """Raise unless a new collective (``group``, ``seq``) may start."""
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
-        if self.mailbox.error is not None:
-            raise CollectiveError(f"the communicator is broken by an earlier error: "
-                                  f"{self.mailbox.error}") from self.mailbox.error
+        err = self.mailbox.error
+        if err is not None and (group is None or seq is None
+                                or not self.mailbox.allowed(group, seq)):
+            message = f"the communicator is broken by an earlier error: {err}"
+            if isinstance(err, PeerLostError):
+                raise PeerLostError(message, rank=err.rank) from err
+            raise CollectiveError(message) from err
+
+    def check_sendable(self) -> None:
+        """Raise if frames can no longer be sent (closed, or the whole world is broken)."""
+        if self._closed or (self.mailbox.error is not None and self.mailbox.scope is None):
+            self.check_usable()
 
     @property
     def broken(self) -> CollectiveError | None:
         return self.mailbox.error
 
-    def abort(self, exc: CollectiveError, *, notify: bool = True) -> None:
-        """Break the world: fail every receive with ``exc`` and tell the other ranks."""
-        if self.mailbox.error is not None:
+    def abort(self, exc: CollectiveError, *, notify: bool = True,
+              scope: Scope | None = None) -> None:
+        """Break the world from collective ``scope`` on (all of it when ``None``): fail the
+        receives that can no longer complete with ``exc`` and tell the other ranks."""
+        if not self.mailbox.fail(exc, scope):
             return
-        log.debug("rank %d aborts: %s", self.rank, exc)
-        self.mailbox.fail(exc)
+        log.debug("rank %d aborts (scope %s): %s", self.rank, scope, exc)
         if notify and not self._closed:
-            header = FrameHeader(src=self.rank, meta=abort_meta(exc))
+            header = FrameHeader(src=self.rank, meta=abort_meta(exc, scope))
             self._notify_abort(Frame(FrameKind.ABORT, header, b""))
 
     def _on_abort_frame(self, frame: Frame) -> None:
-        self.abort(error_from_abort(frame), notify=False)
+        exc, scope = error_from_abort(frame)
+        self.abort(exc, notify=False, scope=scope)
 
-    def _on_mismatch(self, exc: CollectiveError) -> None:
-        self.abort(exc)
+    def _on_mismatch(self, exc: CollectiveError, scope: Scope) -> None:
+        self.abort(exc, scope=scope)
 
     async def close(self) -> None:
         """Close connections; idempotent. Pending receives fail with CommunicatorClosedError."""

@@ -9,14 +9,14 @@ A world is an object (:class:`MemoryWorld`); two worlds in one process share not
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+import numpy as np
 
 from ..errors import PeerLostError, ProtocolError
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     PREFIX_SIZE,
     Frame,
-    FrameHeader,
     FrameKind,
     check_payload,
     decode_header,
@@ -43,14 +43,14 @@ class MemoryTransport(Transport):
         super().__init__(rank, world_size)
         self._world = world
 
-    async def send(self, dst: int, kind: FrameKind, header: FrameHeader, payload: Any) -> None:
-        self.check_usable()
-        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
-        head = encode_head(kind, header, view.nbytes)
-        self.bytes_sent += view.nbytes
+    def post(self, dst: int, head: bytes, payload: memoryview | None) -> None:
+        """Deliver at once: the payload is copied before this returns."""
+        self.check_sendable()
+        view = payload if payload is not None else memoryview(b"")
         peer = self._world.transports[dst]
         if peer._closed:
             raise PeerLostError(f"world rank {dst} has closed its communicator", rank=dst)
+        self.bytes_sent += view.nbytes
         peer._receive(head, view)
 
     def _receive(self, head: bytes, payload: memoryview) -> None:
@@ -74,7 +74,9 @@ class MemoryTransport(Transport):
             into[:] = payload
             self.mailbox.deliver(key, Frame(kind, header, into))
         else:
-            self.mailbox.deliver(key, Frame(kind, header, bytearray(payload)))
+            owner = np.empty(payload_len, np.uint8)  # no zero-fill: every byte is copied in
+            owner.data.cast("B")[:] = payload
+            self.mailbox.deliver(key, Frame(kind, header, owner))
 
     def _notify_abort(self, frame: Frame) -> None:
         head = encode_head(frame.kind, frame.header, 0)

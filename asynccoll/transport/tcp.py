@@ -29,10 +29,12 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from .._aio import close_server
 from ..collectives import Communicator
 from ..errors import (
     AuthenticationError,
     CollectiveError,
+    CommunicatorClosedError,
     PeerLostError,
     ProtocolError,
 )
@@ -45,7 +47,6 @@ from ..wire import (
     FrameHeader,
     FrameKind,
     encode_frame_bytes,
-    encode_head,
 )
 from .base import Transport, frame_key
 
@@ -84,7 +85,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._client: ClientHandshake | None = None
         self._server: ServerHandshake | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self.reader = BufferedFrameReader(max_payload=0)
         self._client_sent_proof = False
@@ -94,6 +95,10 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: Any) -> None:
         # uvloop's transports implement asyncio.Transport's interface without subclassing it
         self.transport = transport
+        self.owner._open.add(self)
+        if self.owner._closed:  # accepted while closing
+            transport.abort()
+            return
         _tune_socket(transport.get_extra_info("socket"))
         # pause as soon as anything is buffered, resume when everything reached the kernel:
         # the loop may hold references to payload memory until then
@@ -123,15 +128,13 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.owner._open.discard(self)
         if self._timer is not None:
             self._timer.cancel()
         if not self.ready.done():
             self.ready.set_exception(ConnectionError(f"connection closed during handshake: {exc}"))
             self.ready.exception()  # mark retrieved; the dialler reports it
-        for w in self._drain_waiters:
-            if not w.done():
-                w.set_result(None)
-        self._drain_waiters.clear()
+        self._wake_drain()
         self.owner._connection_lost(self, exc)
 
     def pause_writing(self) -> None:
@@ -139,10 +142,19 @@ class _Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._paused = False
-        for w in self._drain_waiters:
-            if not w.done():
-                w.set_result(None)
-        self._drain_waiters.clear()
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    def drain_future(self) -> asyncio.Future[None]:
+        """Resolves when everything written so far reached the kernel, or the connection is
+        gone (the owner then aborts the world, which the waiter checks)."""
+        if self._drain is None:
+            self._drain = self.owner.loop.create_future()
+        return self._drain
 
     # -- frames ---------------------------------------------------------------------------
 
@@ -246,13 +258,6 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             self.transport.write(head)
 
-    async def drained(self) -> None:
-        """Wait until everything written reached the kernel (or the connection is gone)."""
-        while self._paused and not self.closed:
-            fut = self.owner.loop.create_future()
-            self._drain_waiters.append(fut)
-            await fut
-
     def _close(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.close()
@@ -281,10 +286,12 @@ class TcpTransport(Transport):
         self.max_payload = max_payload
         self.handshake_timeout = handshake_timeout
         self.addresses: dict[int, tuple[str, int]] = {}
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._out: dict[int, _Connection] = {}
         self._dialing: dict[int, asyncio.Future[_Connection]] = {}
+        self._queued: dict[int, list[tuple[bytes, memoryview | None, asyncio.Future[None]]]] = {}
         self._incoming: set[_Connection] = set()
+        self._open: set[_Connection] = set()  # every connection until connection_lost
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
 
@@ -318,16 +325,28 @@ class TcpTransport(Transport):
             host, port = self.addresses[dst]
         except KeyError:
             raise CollectiveError(f"no address known for world rank {dst}") from None
+        conn: _Connection | None = None
         try:
-            _, conn = await asyncio.wait_for(self.loop.create_connection(
-                lambda: _Connection(self, dst=dst), host, port), self.handshake_timeout)
-            await asyncio.wait_for(asyncio.shield(conn.ready), self.handshake_timeout)
-        except (OSError, ConnectionError, TimeoutError) as exc:
-            why = str(exc) or type(exc).__name__
-            raise PeerLostError(f"cannot connect to world rank {dst} at {host}:{port}: {why}",
-                                rank=dst) from None
-        except AuthenticationError as exc:
-            raise CollectiveError(f"world rank {dst} at {host}:{port} refused us: {exc}") from None
+            # asyncio.timeout, not wait_for: 3.11's wait_for can drop a connection that is
+            # made just as it times out, leaking the socket
+            async with asyncio.timeout(self.handshake_timeout):
+                _, conn = await self.loop.create_connection(
+                    functools.partial(_Connection, self, dst=dst), host, port)
+                await asyncio.shield(conn.ready)
+        except BaseException as exc:
+            if conn is not None:
+                conn._abort()
+            if isinstance(exc, (OSError, ConnectionError, TimeoutError)):
+                why = str(exc) or type(exc).__name__
+                raise PeerLostError(f"cannot connect to world rank {dst} at {host}:{port}: "
+                                    f"{why}", rank=dst) from None
+            if isinstance(exc, AuthenticationError):
+                raise CollectiveError(f"world rank {dst} at {host}:{port} refused us: "
+                                      f"{exc}") from None
+            raise
+        if self._closed:
+            conn._abort()
+            raise CommunicatorClosedError("the communicator was closed while connecting")
         self._out[dst] = conn
         return conn
 
@@ -335,22 +354,44 @@ class TcpTransport(Transport):
         """Open the connection to ``dst`` now (ring neighbours do at start-up)."""
         await self._connection(dst)
 
-    async def send(self, dst: int, kind: FrameKind, header: FrameHeader, payload: Any) -> None:
-        self.check_usable()
-        view = memoryview(payload).cast("B") if payload is not None else None
-        n = view.nbytes if view is not None else 0
-        head = encode_head(kind, header, n)
+    def post(self, dst: int, head: bytes, payload: memoryview | None
+             ) -> asyncio.Future[None] | None:
+        self.check_sendable()
+        self.bytes_sent += payload.nbytes if payload is not None else 0
         conn = self._out.get(dst)
-        if conn is None or conn.closed:
+        if conn is not None and not conn.closed:
+            conn.write(head, payload)
+            return conn.drain_future() if conn._paused else None
+        lost = self.mailbox._lost.get(dst)
+        if lost is not None:
+            raise lost
+        # not connected yet: queue in order behind one dial
+        fut: asyncio.Future[None] = self.loop.create_future()
+        queue = self._queued.get(dst)
+        if queue is None:
+            queue = self._queued[dst] = []
+            self._spawn(self._dial_and_flush(dst))
+        queue.append((head, payload, fut))
+        return fut
+
+    async def _dial_and_flush(self, dst: int) -> None:
+        try:
             conn = await self._connection(dst)
-        conn.write(head, view)
-        self.bytes_sent += n
+        except CollectiveError as exc:
+            for _, _, fut in self._queued.pop(dst, []):
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()
+            self.abort(exc)
+            return
+        queued = self._queued.pop(dst, [])
+        for head, payload, _ in queued:
+            conn.write(head, payload)
         if conn._paused:
-            await conn.drained()
-        if conn.closed and not conn.graceful:
-            raise self.mailbox._lost.get(dst) or PeerLostError(
-                f"connection to world rank {dst} was lost while sending", rank=dst)
-        self.check_usable()
+            await conn.drain_future()
+        for _, _, fut in queued:
+            if not fut.done():
+                fut.set_result(None)
 
     # -- failures -------------------------------------------------------------------------
 
@@ -378,14 +419,18 @@ class TcpTransport(Transport):
             if dst == self.rank or dst in self.mailbox._lost:
                 continue
             conn = self._out.get(dst)
-            if conn is not None and not conn.closed:
+            if conn is None or conn.closed:  # the peer's own connection to us works too
+                conn = next((c for c in self._incoming
+                             if c.peer == dst and c.authenticated and not c.closed), None)
+            if conn is not None:
                 conn.write(data, None)
             elif dst in self.addresses:
                 self._spawn(self._send_abort(dst, data))
 
     async def _send_abort(self, dst: int, data: bytes) -> None:
         try:
-            conn = await asyncio.wait_for(self._connection(dst), self.handshake_timeout)
+            async with asyncio.timeout(self.handshake_timeout):
+                conn = await self._connection(dst)
             conn.write(data, None)
         except (CollectiveError, OSError, TimeoutError) as exc:
             log.debug("rank %d: could not tell rank %d about the abort: %s", self.rank, dst, exc)
@@ -399,9 +444,12 @@ class TcpTransport(Transport):
 
     async def _close(self) -> None:
         if self._server is not None:
-            self._server.close()
-        for task in list(self._background) + list(self._dialing.values()):
+            await close_server(self._server)
+        stragglers = [*self._background, *self._dialing.values()]
+        for task in stragglers:
             task.cancel()
+        # let cancelled dials close the sockets they opened
+        await asyncio.gather(*stragglers, return_exceptions=True)
         conns = list(self._out.values()) + list(self._incoming)
         bye = encode_frame_bytes(Frame(FrameKind.BYE, FrameHeader(src=self.rank), b""))
         for conn in conns:
@@ -414,8 +462,14 @@ class TcpTransport(Transport):
             if all(c.closed for c in conns):
                 break
             await asyncio.sleep(0.01)
-        for conn in conns:
+        for conn in list(self._open):
             conn._abort()
+        for _ in range(100):  # sockets close in connection_lost callbacks: let them run
+            if not self._open:
+                break
+            await asyncio.sleep(0.01)
+        for _ in range(3):  # and those of cancelled dials that never reached connection_made
+            await asyncio.sleep(0)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)

@@ -1,0 +1,23 @@
+"""Small asyncio helpers shared by the rendezvous server and the TCP transport."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+async def close_server(server: asyncio.Server) -> None:
+    """Stop accepting and close ``server`` without leaking a connection accepted meanwhile.
+
+    CPython 3.11's selector event loop loses (and leaks the socket of) a connection whose
+    accept is in progress when ``Server.close()`` runs. Stop accepting first, let accepts in
+    progress attach (their protocols see a closing owner and drop them), then close.
+    """
+    loop = asyncio.get_running_loop()
+    if hasattr(loop, "_selector"):  # the stdlib selector loop; uvloop is not affected
+        for sock in server.sockets:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(sock.fileno())
+        for _ in range(3):
+            await asyncio.sleep(0)
+    server.close()
