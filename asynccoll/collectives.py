@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -105,7 +106,7 @@ class _Call:
     transfers with each other and with reductions without creating tasks.
     """
 
-    __slots__ = ("group", "rank", "ranks", "seq", "sig", "size", "src", "t", "tuning")
+    __slots__ = ("group", "poll", "rank", "ranks", "seq", "sig", "size", "src", "t", "tuning")
 
     def __init__(self, comm: Communicator, seq: int, sig: tuple[Any, ...]) -> None:
         self.t = comm._transport
@@ -117,6 +118,7 @@ class _Call:
         self.seq = seq
         self.sig = sig
         self.tuning = comm.tuning
+        self.poll = comm.tuning.poll_us * 1e-6 if self.t.polls else 0.0
 
     def post(self, peer: int, step: int, arr: np.ndarray) -> asyncio.Future[None] | None:
         """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
@@ -171,7 +173,13 @@ class _Recv:
         With ``resize``, a sender's array of another shape comes back as a new array;
         without, it is an error.
         """
-        frame = await self.fut
+        fut = self.fut
+        if not fut.done() and self.call.poll:
+            # poll a little before letting the event loop sleep (see Tuning.poll_us)
+            deadline = time.perf_counter() + self.call.poll
+            while not fut.done() and time.perf_counter() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        frame = await fut
         h = frame.header
         sig = self.call.sig
         if h.sig != sig:  # the mailbox caught it already; never hand out such data
@@ -451,6 +459,58 @@ async def _dissemination_barrier(call: _Call, step0: int = 0) -> None:
 
 # ----------------------------------------------------------------------------- communicator
 
+class _Watchdog:
+    """Cancels collectives that outlive their timeout.
+
+    One timer per communicator, armed for the earliest deadline, instead of an
+    ``asyncio.timeout`` per call (whose set-up costs more than a small all_reduce's own work).
+    A task runs at most one collective at a time, so tasks identify collectives.
+    """
+
+    __slots__ = ("_deadlines", "_expired", "_handle")
+
+    def __init__(self) -> None:
+        self._deadlines: dict[asyncio.Task[Any], float] = {}
+        self._expired: set[asyncio.Task[Any]] = set()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def watch(self, task: asyncio.Task[Any], timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self._deadlines[task] = deadline
+        if self._handle is None or deadline < self._handle.when():
+            if self._handle is not None:
+                self._handle.cancel()
+            self._handle = loop.call_at(deadline, self._fire)
+
+    def unwatch(self, task: asyncio.Task[Any]) -> None:
+        self._deadlines.pop(task, None)
+        self._expired.discard(task)
+
+    def expired(self, task: asyncio.Task[Any]) -> bool:
+        """Whether the watchdog cancelled ``task`` (then it withdraws that cancellation)."""
+        if task in self._expired:
+            self._expired.discard(task)
+            task.uncancel()
+            return True
+        return False
+
+    def _fire(self) -> None:
+        self._handle = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        earliest = None
+        for task, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                del self._deadlines[task]
+                self._expired.add(task)
+                task.cancel()
+            elif earliest is None or deadline < earliest:
+                earliest = deadline
+        if earliest is not None:
+            self._handle = loop.call_at(earliest, self._fire)
+
+
 class Communicator:
     """A group of ranks that run collectives together.
 
@@ -478,6 +538,7 @@ class Communicator:
         self._closed = False
         self._owns_transport = owns_transport
         self.timeout = float(timeout)
+        self._watchdog = _Watchdog()
         self.tuning = tuning if tuning is not None else Tuning()
         self.backend = backend
 
@@ -538,17 +599,20 @@ class Communicator:
             return await body(call)
         t.mailbox.begin(self._group, seq, sig)
         scope = (self._group, seq)
+        task = asyncio.current_task()
+        assert task is not None
+        watchdog = self._watchdog
+        watchdog.watch(task, self.timeout)
         try:
-            async with asyncio.timeout(self.timeout):
-                if agree:
-                    await _dissemination_barrier(call, AGREE_STEP)
-                return await body(call)
-        except TimeoutError:
-            err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made no "
-                                    f"progress within {self.timeout:g} s")
-            t.abort(err, scope=scope)
-            raise err from None
+            if agree:
+                await _dissemination_barrier(call, AGREE_STEP)
+            return await body(call)
         except asyncio.CancelledError:
+            if watchdog.expired(task):
+                err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made "
+                                        f"no progress within {self.timeout:g} s")
+                t.abort(err, scope=scope)
+                raise err from None
             t.abort(CollectiveError(f"{describe_sig(sig)} was cancelled on group rank "
                                     f"{self._rank}"), scope=scope)
             raise
@@ -560,6 +624,7 @@ class Communicator:
                                     f"{exc!r}"), scope=scope)
             raise
         finally:
+            watchdog.unwatch(task)
             t.mailbox.end(self._group, seq)
 
     # -- collectives ----------------------------------------------------------------------
@@ -689,7 +754,7 @@ class Communicator:
         a = _check_array(array)
         if a.ndim == 0:
             raise ValueError("all_gather needs an array with at least one dimension")
-        algo = self.tuning.all_gather(a.nbytes, self.world_size)
+        algo = self.tuning.all_gather(self.world_size)
         dtype, shape = _sig_array(a)
 
         async def body(call: _Call) -> np.ndarray:
@@ -839,7 +904,7 @@ class Communicator:
     async def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (msgpack-serialisable)."""
         data = _pack_object(obj)
-        algo = self.tuning.all_gather(0, self.world_size)
+        algo = self.tuning.all_gather(self.world_size)
 
         async def body(call: _Call) -> list[Any]:
             got = await self._gather_blocks(call, data, algo)
@@ -865,7 +930,7 @@ class Communicator:
         digest = np.frombuffer(hashlib.sha256(msgpack.packb(members)).digest(), np.uint8)
         child = self._children
         self._children += 1
-        algo = self.tuning.all_gather(0, self.world_size)
+        algo = self.tuning.all_gather(self.world_size)
 
         async def body(call: _Call) -> np.ndarray | list[np.ndarray]:
             return await self._gather_blocks(call, digest, algo)

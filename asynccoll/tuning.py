@@ -21,11 +21,20 @@ class Tuning:
         chain_broadcast_bytes: at or above this, broadcast pipelines segments along a chain
             instead of a binomial tree.
         segment_bytes: segment size of pipelined algorithms.
+        direct_all_gather_ranks: up to this many ranks, all_gather sends every block straight
+            to every rank (one round); beyond, it uses the ring. All_gather decides by world
+            size alone because ranks may pass different lengths (and so different bytes).
+        poll_us: before a receive sleeps in the event loop, keep polling this long (in
+            microseconds). Waking a sleeping event loop costs tens of microseconds on many
+            machines, more than a small message takes to arrive; polling trades CPU for
+            latency, so transports only do it when every local rank has a core to itself.
     """
 
     small_bytes: int = 64 * 1024
     chain_broadcast_bytes: int = 1 << 20
     segment_bytes: int = 1 << 20
+    direct_all_gather_ranks: int = 4
+    poll_us: int = 200
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 1:
@@ -40,16 +49,18 @@ class Tuning:
     def reduce_scatter(self, nbytes: int, world_size: int) -> str:
         return "direct" if nbytes <= self.small_bytes else "ring"
 
-    def all_gather(self, nbytes: int, world_size: int) -> str:
-        return "direct" if nbytes <= self.small_bytes else "ring"
+    def all_gather(self, world_size: int) -> str:
+        return "direct" if world_size <= self.direct_all_gather_ranks else "ring"
 
     def broadcast(self, nbytes: int, world_size: int) -> str:
         return "chain" if nbytes >= self.chain_broadcast_bytes else "binomial"
 
 
 #: Always the latency-optimal algorithms (for tests).
-TREE = Tuning(small_bytes=1 << 62, chain_broadcast_bytes=1 << 62)
+TREE = Tuning(small_bytes=1 << 62, chain_broadcast_bytes=1 << 62,
+             direct_all_gather_ranks=1 << 30)
 #: Always the bandwidth-optimal algorithms, with tiny segments (for tests).
-RING = Tuning(small_bytes=-1, chain_broadcast_bytes=0, segment_bytes=64)
+RING = Tuning(small_bytes=-1, chain_broadcast_bytes=0, segment_bytes=64,
+              direct_all_gather_ranks=0)
 
 __all__ = ["RING", "TREE", "Tuning"]

@@ -18,6 +18,7 @@ import enum
 import functools
 import math
 import struct
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -44,6 +45,7 @@ MAX_HEADER_DEPTH: Final = 32
 MAX_NDIM: Final = 32
 _U32: Final = (1 << 32) - 1
 _U64: Final = (1 << 64) - 1
+_I63: Final = (1 << 63) - 1
 
 
 class FrameKind(enum.IntEnum):
@@ -72,6 +74,9 @@ SUPPORTED_DTYPES: Final = frozenset(
         "float16", "float32", "float64", "complex64", "complex128",
     )
 )
+#: bytes per element of each supported dtype
+ITEMSIZE: Final = types.MappingProxyType({code: np.dtype(code).itemsize
+                                          for code in SUPPORTED_DTYPES})
 
 
 class _Sentinel(enum.Enum):
@@ -104,17 +109,18 @@ class FrameHeader:
     meta: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name, hi in (("group", _U64), ("seq", _U64), ("step", _U32), ("tag", _U64 >> 1),
-                         ("src", _U32)):
-            value = getattr(self, name)
-            if type(value) is not int or not 0 <= value <= hi:
-                raise ProtocolError(
-                    f"header field {name!r} must be an int in [0, {hi}], got {value!r}")
+        g, q, s, t, r = self.group, self.seq, self.step, self.tag, self.src
+        if (type(g) is int and type(q) is int and type(s) is int and type(t) is int
+                and type(r) is int and 0 <= g <= _U64 and 0 <= q <= _U64 and 0 <= s <= _U32
+                and 0 <= t <= _I63 and 0 <= r <= _U32):
+            pass  # the common case, checked in one go
+        else:
+            self._explain_ints()
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
             raise ProtocolError(f"unsupported dtype {self.dtype!r}")
         if self.shape is not None:
             if not isinstance(self.shape, tuple) or len(self.shape) > MAX_NDIM or not all(
-                type(n) is int and 0 <= n <= _U64 >> 1 for n in self.shape
+                type(n) is int and 0 <= n <= _I63 for n in self.shape
             ):
                 raise ProtocolError(f"bad shape {self.shape!r}")
         if self.sig is not None and not isinstance(self.sig, tuple):
@@ -124,11 +130,19 @@ class FrameHeader:
         ):
             raise ProtocolError("meta must be a map with string keys")
 
+    def _explain_ints(self) -> None:
+        for name, hi in (("group", _U64), ("seq", _U64), ("step", _U32), ("tag", _I63),
+                         ("src", _U32)):
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value <= hi:
+                raise ProtocolError(
+                    f"header field {name!r} must be an int in [0, {hi}], got {value!r}")
+
     def expected_payload(self) -> int | None:
         """Payload length implied by ``dtype`` and ``shape``, or ``None`` if either is absent."""
         if self.dtype is None or self.shape is None:
             return None
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,12 +274,14 @@ def parse_prefix(prefix: bytes | bytearray | memoryview,
     return FrameKind(kind), header_len, payload_len
 
 
-def decode_header(body: bytes | bytearray | memoryview) -> FrameHeader:
-    """Decode and validate a msgpack header.
+def decode_header(body: bytes | bytearray | memoryview, kind: int = 0) -> FrameHeader:
+    """Decode and validate a msgpack header (of a frame of ``kind``, when known).
 
     Raises:
         ProtocolError: not one msgpack map, a missing or ill-typed field.
     """
+    if kind == FrameKind.DATA or kind == FrameKind.P2P:
+        return _decode_data_header(body)
     limit = len(body)
     try:
         obj = msgpack.unpackb(
@@ -293,6 +309,36 @@ def decode_header(body: bytes | bytearray | memoryview) -> FrameHeader:
             sig=_tuplify(sig) if sig is not None else None,
             meta=obj.get("m"),
         )
+    except KeyError as exc:
+        raise ProtocolError(f"header lacks field {exc.args[0]!r}") from None
+    except TypeError as exc:
+        raise ProtocolError(f"bad header: {exc}") from None
+
+
+def _decode_data_header(body: bytes | bytearray | memoryview) -> FrameHeader:
+    """:func:`decode_header` for DATA and P2P frames, the hot path: msgpack builds the tuples
+    itself, and only the signature can nest (``meta`` does not belong in these frames)."""
+    limit = len(body)
+    try:
+        obj = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, use_list=False,
+            max_str_len=limit, max_bin_len=limit, max_array_len=limit, max_map_len=limit,
+            max_ext_len=limit,
+        )
+    except Exception as exc:  # msgpack raises many types for corrupt input; all mean the same
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError("header must be a msgpack map")
+    sig = obj.get("c")
+    shape = obj.get("h")
+    dtype = obj.get("d")
+    if "m" in obj or (sig is not None and (not isinstance(sig, tuple) or _too_deep(sig))) or (
+            shape is not None and not isinstance(shape, tuple)) or (
+            dtype is not None and type(dtype) is not str):
+        return decode_header(body)  # unusual: the general path explains what is wrong
+    try:
+        return FrameHeader(group=obj["g"], seq=obj["q"], step=obj["s"], tag=obj["t"],
+                           src=obj["r"], dtype=dtype, shape=shape, sig=sig)
     except KeyError as exc:
         raise ProtocolError(f"header lacks field {exc.args[0]!r}") from None
     except TypeError as exc:
@@ -356,7 +402,8 @@ class FrameDecoder:
                 memoryview(self._buf)[:PREFIX_SIZE], self.max_payload)
             if len(self._buf) < PREFIX_SIZE + header_len:
                 return self._need()
-            header = decode_header(memoryview(self._buf)[PREFIX_SIZE:PREFIX_SIZE + header_len])
+            header = decode_header(memoryview(self._buf)[PREFIX_SIZE:PREFIX_SIZE + header_len],
+                                   kind)
             check_payload(kind, header, payload_len)
             del self._buf[:PREFIX_SIZE + header_len]
             self._head = (kind, header, payload_len)
@@ -501,7 +548,7 @@ class BufferedFrameReader:
             if avail < PREFIX_SIZE + header_len:
                 break
             pos = self._start + PREFIX_SIZE
-            header = decode_header(stage[pos:pos + header_len])
+            header = decode_header(stage[pos:pos + header_len], kind)
             check_payload(kind, header, payload_len)
             self._start = pos + header_len
             dest = self.sink(kind, header, payload_len) if self.sink is not None else None

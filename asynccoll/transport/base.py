@@ -265,6 +265,8 @@ class Transport(abc.ABC):
         self._closed = False
         #: bytes of payload handed to ``post`` (for accounting, e.g. compression tests)
         self.bytes_sent = 0
+        #: whether receives should poll before sleeping (see Tuning.poll_us)
+        self.polls = False
 
     # -- to implement ---------------------------------------------------------------------
 

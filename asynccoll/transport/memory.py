@@ -58,7 +58,7 @@ class MemoryTransport(Transport):
         try:
             kind, header_len, payload_len = parse_prefix(head[:PREFIX_SIZE],
                                                          self._world.max_payload)
-            header = decode_header(head[PREFIX_SIZE:PREFIX_SIZE + header_len])
+            header = decode_header(head[PREFIX_SIZE:PREFIX_SIZE + header_len], kind)
             check_payload(kind, header, payload_len)
         except ProtocolError:  # pragma: no cover - our own encoder produced these bytes
             log.exception("rank %d: undecodable in-process frame", self.rank)

@@ -54,6 +54,8 @@ log = logging.getLogger("asynccoll.transport.tcp")
 
 HANDSHAKE_TIMEOUT = 5.0
 SOCKET_BUFFER_BYTES = 4 << 20
+#: payloads up to this size are copied behind their header and written in one call
+SMALL_WRITE_BYTES = 16 << 10
 
 
 def _tune_socket(sock: socket.socket | None) -> None:
@@ -253,10 +255,12 @@ class _Connection(asyncio.BufferedProtocol):
 
     def write(self, head: bytes, payload: memoryview | None) -> None:
         assert self.transport is not None
-        if payload is not None and payload.nbytes:
-            self.transport.writelines([head, payload])
-        else:
+        if payload is None or not payload.nbytes:
             self.transport.write(head)
+        elif payload.nbytes <= SMALL_WRITE_BYTES:  # one small copy beats a gather write
+            self.transport.write(head + payload)
+        else:
+            self.transport.writelines([head, payload])
 
     def _close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -294,6 +298,7 @@ class TcpTransport(Transport):
         self._open: set[_Connection] = set()  # every connection until connection_lost
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
+        self.polls = _cores_to_spare()
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting peer connections; returns the bound (host, port)."""
@@ -505,6 +510,17 @@ def _local_ip(client: Any) -> str:
     """The local IP address of the rendezvous client's connection."""
     sockname = client.local_address
     return str(sockname[0])
+
+
+def _cores_to_spare() -> bool:
+    """Whether every rank on this machine can have a core (so polling steals from no one)."""
+    local = _env("LOCAL_WORLD_SIZE", "ASYNCCOLL_LOCAL_WORLD_SIZE")
+    try:
+        ranks = int(local) if local is not None else 1
+    except ValueError:
+        ranks = 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ranks <= (cores or 1)
 
 
 def _is_loopback(host: str) -> bool:
