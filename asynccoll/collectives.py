@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -84,6 +85,14 @@ async def _settle(pending: list[asyncio.Future[None] | None]) -> None:
     for p in pending:
         if p is not None:
             await p
+
+
+def _into(out: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
+    rows = sum(b.shape[0] for b in blocks)
+    if rows != out.shape[0]:
+        raise CollectiveError(f"all_gather gathered {rows} rows but out has {out.shape[0]}")
+    np.concatenate(blocks, out=out)
+    return out
 
 
 def _pack_object(obj: Any) -> np.ndarray:
@@ -175,10 +184,14 @@ class _Recv:
         """
         fut = self.fut
         if not fut.done() and self.call.poll:
-            # poll a little before letting the event loop sleep (see Tuning.poll_us)
+            # poll a little before letting the event loop sleep (see Tuning.poll_us); with
+            # more ranks than cores, hand the core over between polls (to the rank we wait for)
             deadline = time.perf_counter() + self.call.poll
-            while not fut.done() and time.perf_counter() < deadline:  # noqa: ASYNC110
+            yields = self.call.t.yields
+            while not fut.done() and time.perf_counter() < deadline:
                 await asyncio.sleep(0)
+                if yields:
+                    os.sched_yield()
         frame = await fut
         h = frame.header
         sig = self.call.sig
@@ -232,28 +245,27 @@ def _segments(start: int, stop: int, nseg: int) -> list[tuple[int, int]]:
 
 
 async def _ring(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp | None,
-                *, reduce_steps: int, gather_steps: int, out: np.ndarray | None = None) -> None:
-    """The pipelined ring behind all_reduce, reduce_scatter and all_gather.
+                *, reduce_steps: int, gather_steps: int, inplace: bool = True) -> np.ndarray | None:
+    """The pipelined ring behind all_reduce and reduce_scatter.
 
     ``flat`` is split into ``W`` blocks (``bounds``) and each block into segments. The first
     ``reduce_steps`` steps receive a partial block from the left, reduce it with the local
     one and forward it (reduce-scatter); the next ``gather_steps`` steps receive a finished
     block and forward it (all-gather). Each segment is forwarded as soon as it is ready, and
-    the receives of the next step are posted before the current step is processed, so the
-    socket fills the right memory while NumPy reduces.
+    every receive is posted up front, so the socket writes each segment where it belongs
+    (partial sums into a scratch slot per step, finished blocks into ``flat``) however far
+    ahead a neighbour runs, while NumPy reduces what already arrived.
 
-    Reduce-scatter steps write partial sums into ``flat`` itself unless ``out`` is given (a
-    ``2 * block`` scratch that then also holds the finished block ``rank`` at offset 0 or
-    ``block``, see the caller), in which case ``flat`` is only read.
+    ``inplace``: partial sums are reduced into ``flat`` (all_reduce); otherwise ``flat`` is
+    only read and the finished block ``rank`` is returned (a view of the scratch).
     """
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
     width = max(stop - start for start, stop in bounds)
     seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
-    nseg = max(1, -(-width // seg))
+    nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
     total = reduce_steps + gather_steps
-    inplace = out is None
-    scratch = np.empty(2 * width, flat.dtype) if (reduce_steps and inplace) else out
+    scratch = np.empty(reduce_steps * width, flat.dtype)
 
     def block(s: int) -> int:  # block received at step s
         return (r - s - 2) % w if s < reduce_steps else (r - (s - reduce_steps) - 1) % w
@@ -261,33 +273,20 @@ async def _ring(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]], op
     def targets(s: int) -> list[np.ndarray]:
         start, stop = bounds[block(s)]
         if s < reduce_steps:
-            assert scratch is not None
-            base = (s % 2) * width - start
+            base = s * width - start
             return [scratch[base + a:base + b] for a, b in _segments(start, stop, nseg)]
         return [flat[a:b] for a, b in _segments(start, stop, nseg)]
 
     first = (r - 1) % w if reduce_steps else r
     pending = [call.post(right, k, flat[a:b])
                for k, (a, b) in enumerate(_segments(*bounds[first], nseg))]
-    # sends that still read a scratch half must finish before the half receives again
-    # (in place, sends read ``flat``, which a later step never overwrites before the data
-    # went round the ring)
-    reading: list[list[asyncio.Future[None] | None]] = [[], []]
-
-    async def post_step(s: int) -> list[_Recv]:
-        if s < reduce_steps and not inplace:
-            await _settle(reading[s % 2])
-            reading[s % 2] = []
-        return [call.post_recv(left, s * nseg + k, t) for k, t in enumerate(targets(s))]
-
-    posted = await post_step(0) if total else []
+    posted = [[call.post_recv(left, s * nseg + k, t) for k, t in enumerate(targets(s))]
+              for s in range(total)]
+    ready = flat[:0]
     for s in range(total):
-        current = posted
-        if s + 1 < total:
-            posted = await post_step(s + 1)
         start, stop = bounds[block(s)]
         for k, (a, b) in enumerate(_segments(start, stop, nseg)):
-            got = await current[k].get()
+            got = await posted[s][k].get()
             if s < reduce_steps:
                 assert op is not None
                 if inplace:
@@ -299,21 +298,22 @@ async def _ring(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]], op
             else:
                 ready = flat[a:b]
             if s + 1 < total:
-                fut = call.post(right, (s + 1) * nseg + k, ready)
-                (pending if inplace or s >= reduce_steps else reading[s % 2]).append(fut)
-    await _settle(pending + reading[0] + reading[1])
+                pending.append(call.post(right, (s + 1) * nseg + k, ready))
+    await _settle(pending)
+    if inplace:
+        return None
+    start, stop = bounds[r]
+    base = (reduce_steps - 1) * width
+    return scratch[base:base + stop - start]
 
 
 async def _ring_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
                                op: ReduceOp) -> np.ndarray:
     """Ring reduce-scatter leaving ``flat`` untouched; returns block ``rank`` reduced (new)."""
-    w = call.size
-    width = max(stop - start for start, stop in bounds)
-    scratch = np.empty(2 * width, flat.dtype)
-    await _ring(call, flat, bounds, op, reduce_steps=w - 1, gather_steps=0, out=scratch)
-    base = ((w - 2) % 2) * width  # the last reduce step's half of the scratch
-    start, stop = bounds[call.rank]
-    return scratch[base:base + stop - start]
+    mine = await _ring(call, flat, bounds, op, reduce_steps=call.size - 1, gather_steps=0,
+                       inplace=False)
+    assert mine is not None
+    return mine
 
 
 async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], step0: int) -> bool:
@@ -376,8 +376,9 @@ async def _chain_broadcast(call: _Call, root: int, flat: np.ndarray) -> None:
     w, r = call.size, call.rank
     vr = (r - root) % w
     prev, nxt = (r - 1) % w, (r + 1) % w
-    seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
-    parts = [flat[a:b] for a, b in _segments(0, flat.size, max(1, -(-flat.size // seg)))]
+    seg = max(1, call.tuning.chain_segment_bytes // max(1, flat.itemsize))
+    nseg = min(MAX_SEGMENTS, max(1, -(-flat.size // seg)))
+    parts = [flat[a:b] for a, b in _segments(0, flat.size, nseg)]
     posted = [call.post_recv(prev, k, part) for k, part in enumerate(parts)] if vr else []
     pending = []
     for k, part in enumerate(parts):
@@ -438,6 +439,9 @@ async def _direct_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tup
     await _settle(pending)
     return out
 
+
+#: most segments a pipelined block is cut into (bounds the receives posted per call)
+MAX_SEGMENTS = 64
 
 #: first step number of the signature-agreement rounds (far above any algorithm's steps)
 AGREE_STEP = 0xFFFF0000
@@ -604,9 +608,17 @@ class Communicator:
         watchdog = self._watchdog
         watchdog.watch(task, self.timeout)
         try:
-            if agree:
-                await _dissemination_barrier(call, AGREE_STEP)
-            return await body(call)
+            if not agree:
+                return await body(call)
+            # the agreement runs alongside the data; nobody returns before it completed
+            agreement = asyncio.ensure_future(_dissemination_barrier(call, AGREE_STEP))
+            try:
+                result = await body(call)
+                await agreement
+                return result
+            finally:
+                agreement.cancel()
+                await asyncio.gather(agreement, return_exceptions=True)
         except asyncio.CancelledError:
             if watchdog.expired(task):
                 err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made "
@@ -729,13 +741,14 @@ class Communicator:
 
         return await self._run(("reduce_scatter", *_sig_array(a), op.value, algo), body)
 
-    async def _gather_blocks(self, call: _Call, a: np.ndarray, algo: str
-                             ) -> np.ndarray | list[np.ndarray]:
-        """All-gather core: returns the concatenated array when all blocks had ``a``'s shape,
-        else the list of blocks."""
+    async def _gather_blocks(self, call: _Call, a: np.ndarray, algo: str,
+                             out: np.ndarray | None = None) -> np.ndarray | list[np.ndarray]:
+        """All-gather core: returns the concatenated array (``out`` when given) when all
+        blocks had ``a``'s shape, else the list of blocks."""
         w, r = call.size, call.rank
         n = a.shape[0]
-        out = np.empty((w * n, *a.shape[1:]), a.dtype)
+        if out is None or out.shape[0] != w * n:
+            out = np.empty((w * n, *a.shape[1:]), a.dtype)
         blocks = [out[j * n:(j + 1) * n] for j in range(w)]
         blocks[r][...] = a
         if w == 1:
@@ -746,20 +759,39 @@ class Communicator:
             even = await _direct_all_gather(call, blocks)
         return out if even else blocks
 
-    async def all_gather(self, array: np.ndarray) -> np.ndarray:
-        """Every rank's ``array`` concatenated along axis 0, in rank order (a new array).
+    async def all_gather(self, array: np.ndarray, *, out: np.ndarray | None = None
+                         ) -> np.ndarray:
+        """Every rank's ``array`` concatenated along axis 0, in rank order.
 
         Axis-0 lengths may differ between ranks; dtypes and the other axes must agree.
+
+        Args:
+            out: optional destination (an extension of the API contract, for loops that
+                gather the same shapes again and again: it saves allocating, and first
+                touching, a new array each call). Same dtype as ``array``, C-contiguous,
+                shape ``(total rows, *array.shape[1:])``; returned when given.
+
+        Raises:
+            CollectiveError: also when ``out`` does not hold exactly the gathered rows.
         """
         a = _check_array(array)
         if a.ndim == 0:
             raise ValueError("all_gather needs an array with at least one dimension")
+        if out is not None:
+            _check_array(out, "out", writable=True)
+            if out.dtype != a.dtype or out.shape[1:] != a.shape[1:]:
+                raise ValueError(f"out must have dtype {a.dtype} and shape (rows, "
+                                 f"*{a.shape[1:]}), got {out.dtype} {out.shape}")
         algo = self.tuning.all_gather(self.world_size)
         dtype, shape = _sig_array(a)
 
         async def body(call: _Call) -> np.ndarray:
-            got = await self._gather_blocks(call, a, algo)
-            return got if isinstance(got, np.ndarray) else np.concatenate(got)
+            got = await self._gather_blocks(call, a, algo, out)
+            if isinstance(got, np.ndarray):
+                if out is not None and got is not out:
+                    return _into(out, [got])
+                return got
+            return np.concatenate(got) if out is None else _into(out, got)
 
         return await self._run(("all_gather", dtype, shape[1:], algo), body)
 

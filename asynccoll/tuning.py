@@ -20,7 +20,8 @@ class Tuning:
             bandwidth-optimal ring algorithms.
         chain_broadcast_bytes: at or above this, broadcast pipelines segments along a chain
             instead of a binomial tree.
-        segment_bytes: segment size of pipelined algorithms.
+        segment_bytes: segment size of the pipelined ring.
+        chain_segment_bytes: segment size of the pipelined chain broadcast.
         direct_all_gather_ranks: up to this many ranks, all_gather sends every block straight
             to every rank (one round); beyond, it uses the ring. All_gather decides by world
             size alone because ranks may pass different lengths (and so different bytes).
@@ -33,6 +34,7 @@ class Tuning:
     small_bytes: int = 64 * 1024
     chain_broadcast_bytes: int = 1 << 20
     segment_bytes: int = 1 << 20
+    chain_segment_bytes: int = 1 << 20
     direct_all_gather_ranks: int = 4
     poll_us: int = 200
 
@@ -60,7 +62,7 @@ class Tuning:
 TREE = Tuning(small_bytes=1 << 62, chain_broadcast_bytes=1 << 62,
              direct_all_gather_ranks=1 << 30)
 #: Always the bandwidth-optimal algorithms, with tiny segments (for tests).
-RING = Tuning(small_bytes=-1, chain_broadcast_bytes=0, segment_bytes=64,
+RING = Tuning(small_bytes=-1, chain_broadcast_bytes=0, segment_bytes=64, chain_segment_bytes=64,
               direct_all_gather_ranks=0)
 
 __all__ = ["RING", "TREE", "Tuning"]

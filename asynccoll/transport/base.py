@@ -267,6 +267,8 @@ class Transport(abc.ABC):
         self.bytes_sent = 0
         #: whether receives should poll before sleeping (see Tuning.poll_us)
         self.polls = False
+        #: whether polling should yield the CPU between polls (more ranks than cores here)
+        self.yields = False
 
     # -- to implement ---------------------------------------------------------------------
 

@@ -298,7 +298,8 @@ class TcpTransport(Transport):
         self._open: set[_Connection] = set()  # every connection until connection_lost
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
-        self.polls = _cores_to_spare()
+        self.polls = True
+        self.yields = not _cores_to_spare()
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting peer connections; returns the bound (host, port)."""

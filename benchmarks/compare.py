@@ -1,0 +1,188 @@
+"""asynccoll against torch.distributed (gloo) and Open MPI's TCP transport, in one run.
+
+    python benchmarks/compare.py                  # 2 and 4 ranks, the default ops and sizes
+    python benchmarks/compare.py -n 2 --ops all_reduce --sizes 8,16M --json out.json
+
+Each framework runs the same ops and sizes on this machine, one after the other (see
+``benchmarks/workers.py`` for the timing method). Peers are optional: gloo needs
+``torch`` (``pip install torch==2.13.0`` gives the CPU build), MPI needs ``mpi4py`` and an
+``mpirun`` (Open MPI is forced onto TCP: ``--mca pml ob1 --mca btl tcp,self``). What is missing
+is skipped with a note. Ratios: time is asynccoll / peer (lower is better for asynccoll);
+busbw is asynccoll / peer (higher is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = str(HERE / "workers.py")
+DEFAULT_OPS = "all_reduce,barrier,all_gather,broadcast"
+DEFAULT_SIZES = "8,64K,1M,16M,64M"
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = f"{ROOT}{os.pathsep}{e['PYTHONPATH']}" if e.get("PYTHONPATH") else str(ROOT)
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def collect(output: str) -> list[dict[str, Any]]:
+    rows = []
+    for line in output.splitlines():
+        _, sep, rest = line.partition("RESULT ")
+        if sep:
+            rows.append(json.loads(rest))
+    return rows
+
+
+def run(cmd: list[str], timeout: float, extra_env: dict[str, str] | None = None
+        ) -> list[dict[str, Any]]:
+    e = env()
+    e.update(extra_env or {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e,
+                          check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n"
+                         f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n")
+    return collect(proc.stdout)
+
+
+def bench_asynccoll(n: int, args: list[str], timeout: float) -> list[dict[str, Any]]:
+    return run([sys.executable, "-m", "asynccoll", "run", "-n", str(n), WORKER, "asynccoll",
+                *args], timeout)
+
+
+def bench_gloo(n: int, args: list[str], timeout: float) -> list[dict[str, Any]]:
+    port = free_port()
+    procs = []
+    for rank in range(n):
+        e = env()
+        e.update({"RANK": str(rank), "WORLD_SIZE": str(n)})
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, "gloo", *args, "--port", str(port)], env=e,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    rows: list[dict[str, Any]] = []
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                sys.stderr.write(f"gloo rank {rank} failed ({p.returncode}): {err[-2000:]}\n")
+            rows += collect(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return rows
+
+
+def bench_mpi(n: int, args: list[str], timeout: float) -> list[dict[str, Any]]:
+    mpirun = shutil.which("mpirun")
+    assert mpirun is not None
+    cmd = [mpirun, "-n", str(n), "--oversubscribe", "--mca", "pml", "ob1", "--mca", "btl",
+           "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return run([*cmd, sys.executable, WORKER, "mpi", *args], timeout)
+
+
+def available() -> dict[str, str | None]:
+    """Peer name -> None when it can run, else why not."""
+    why: dict[str, str | None] = {}
+    why["gloo"] = None if importlib.util.find_spec("torch") else "torch is not installed"
+    if importlib.util.find_spec("mpi4py") is None:
+        why["mpi"] = "mpi4py is not installed"
+    elif shutil.which("mpirun") is None:
+        why["mpi"] = "no mpirun on PATH"
+    else:
+        why["mpi"] = None
+    return why
+
+
+def fmt_size(n: int) -> str:
+    for unit, m in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+def table(rows: list[dict[str, Any]], peers: list[str]) -> str:
+    by = {(r["framework"], r["op"], r["ranks"], r["size"]): r for r in rows}
+    keys = sorted({(r["op"], r["ranks"], r["size"]) for r in rows if r["framework"] == "asynccoll"},
+                  key=lambda k: (k[1], k[0], k[2]))
+    head = f"{'op':<11} {'ranks':>5} {'size':>6} {'asynccoll us':>13} {'busbw':>7}"
+    for p in peers:
+        head += f" | {p + ' us':>10} {'busbw':>7} {'time x':>7} {'busbw x':>7}"
+    lines = [head, "-" * len(head)]
+    for op, n, size in keys:
+        a = by[("asynccoll", op, n, size)]
+        line = f"{op:<11} {n:>5} {fmt_size(size):>6} {a['time_us']:>13.1f} {a['busbw']:>7.3f}"
+        for p in peers:
+            r = by.get((p, op, n, size))
+            if r is None:
+                line += f" | {'-':>10} {'-':>7} {'-':>7} {'-':>7}"
+                continue
+            tx = a["time_us"] / r["time_us"] if r["time_us"] else float("nan")
+            bx = a["busbw"] / r["busbw"] if r["busbw"] else float("nan")
+            line += f" | {r['time_us']:>10.1f} {r['busbw']:>7.3f} {tx:>7.2f} {bx:>7.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-n", "--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--ops", default=DEFAULT_OPS)
+    p.add_argument("--sizes", default=DEFAULT_SIZES)
+    p.add_argument("--peers", default="gloo,mpi", help="comma-separated: gloo, mpi")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per framework run")
+    p.add_argument("--json", metavar="FILE", help="also write every row as JSON")
+    a = p.parse_args(argv)
+    sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
+    args = ["--ops", a.ops, "--sizes", sizes]
+    why = available()
+    peers = []
+    for peer in [x for x in a.peers.split(",") if x]:
+        if why.get(peer, "unknown peer"):
+            print(f"# skipping {peer}: {why.get(peer, 'unknown peer')}")
+        else:
+            peers.append(peer)
+    rows: list[dict[str, Any]] = []
+    for n in a.ranks:
+        rows += bench_asynccoll(n, args, a.timeout)
+        if "gloo" in peers:
+            rows += bench_gloo(n, args, a.timeout)
+        if "mpi" in peers:
+            rows += bench_mpi(n, args, a.timeout)
+    print(f"# {os.cpu_count()} CPUs, loopback TCP, float32, median per call, slowest rank")
+    print(table(rows, peers))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""One rank of a side-by-side collective benchmark: asynccoll, torch.distributed (gloo) or mpi4py.
+
+Started by ``benchmarks/compare.py``; every framework is timed the same way so the ratios mean
+something: per size, ``warmup`` untimed calls, then each of ``iters`` calls timed on its own;
+a rank's figure is the median call, and the reported time is the slowest rank's (max over
+ranks). Sizes follow nccl-tests: all_gather's size is the gathered output.
+
+Each rank 0 prints one ``RESULT {json}`` line per (op, size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def iters_for(nbytes: int) -> int:
+    return max(5, min(1000, (64 << 20) // max(nbytes, 1 << 12)))
+
+
+def shapes(op: str, nbytes: int, n: int) -> tuple[int, int]:
+    """(elements of the input, elements of the output) of float32 buffers."""
+    count = max(1, nbytes // 4)
+    if op == "all_gather":
+        per = max(1, count // n)
+        return per, per * n
+    return count, count
+
+
+def report(framework: str, op: str, nbytes: int, n: int, seconds: float) -> None:
+    size = 0 if op == "barrier" else nbytes
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n}.get(op, 1.0)
+    algbw = size / seconds / 1e9 if seconds > 0 else 0.0
+    row = {"framework": framework, "op": op, "ranks": n, "size": size,
+           "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor}
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def median_time(fn: Callable[[], Any], iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------- gloo
+
+def run_gloo(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=n)
+    for op in args.ops:
+        for nbytes in (args.sizes if op != "barrier" else [0]):
+            cin, cout = shapes(op, nbytes, n)
+            a = torch.zeros(cin, dtype=torch.float32)
+            out = torch.zeros(cout, dtype=torch.float32)
+            call: Callable[[], Any] = {
+                "all_reduce": lambda a=a: dist.all_reduce(a),
+                "all_gather": lambda a=a, out=out: dist.all_gather_into_tensor(out, a),
+                "broadcast": lambda a=a: dist.broadcast(a, 0),
+                "barrier": lambda: dist.barrier(),
+            }[op]
+            dist.barrier()
+            t = torch.tensor([median_time(call, iters_for(nbytes), args.warmup)],
+                             dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                report("gloo", op, nbytes, n, float(t[0]))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------- mpi
+
+def run_mpi(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    for op in args.ops:
+        for nbytes in (args.sizes if op != "barrier" else [0]):
+            cin, cout = shapes(op, nbytes, n)
+            a = np.zeros(cin, np.float32)
+            out = np.zeros(cout, np.float32)
+            call: Callable[[], Any] = {
+                "all_reduce": lambda a=a: comm.Allreduce(MPI.IN_PLACE, a),
+                "all_gather": lambda a=a, out=out: comm.Allgather(a, out),
+                "broadcast": lambda a=a: comm.Bcast(a, 0),
+                "barrier": lambda: comm.Barrier(),
+            }[op]
+            comm.Barrier()
+            t = comm.allreduce(median_time(call, iters_for(nbytes), args.warmup), op=MPI.MAX)
+            if rank == 0:
+                report("mpi", op, nbytes, n, t)
+
+
+# ------------------------------------------------------------------------------ asynccoll
+
+async def _asynccoll(args: argparse.Namespace) -> None:
+    import asynccoll
+
+    comm = await asynccoll.init(backend="tcp")
+    n = comm.world_size
+    async with comm:
+        for op in args.ops:
+            for nbytes in (args.sizes if op != "barrier" else [0]):
+                cin, cout = shapes(op, nbytes, n)
+                a = np.zeros(cin, np.float32)
+                out = np.zeros(cout, np.float32)  # preallocated, as the peers' are
+
+                async def call(op: str = op, a: np.ndarray = a, out: np.ndarray = out) -> None:
+                    if op == "all_reduce":
+                        await comm.all_reduce(a)
+                    elif op == "all_gather":
+                        await comm.all_gather(a, out=out)
+                    elif op == "broadcast":
+                        await comm.broadcast(a, 0)
+                    else:
+                        await comm.barrier()
+
+                for _ in range(args.warmup):
+                    await call()
+                await comm.barrier()
+                times = []
+                for _ in range(iters_for(nbytes)):
+                    t = time.perf_counter()
+                    await call()
+                    times.append(time.perf_counter() - t)
+                worst = np.array([statistics.median(times)])
+                await comm.all_reduce(worst, op=asynccoll.ReduceOp.MAX)
+                if comm.rank == 0:
+                    report("asynccoll", op, nbytes, n, float(worst[0]))
+
+
+def run_asynccoll(args: argparse.Namespace) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        asyncio.run(_asynccoll(args))
+    else:
+        uvloop.run(_asynccoll(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("framework", choices=("asynccoll", "gloo", "mpi"))
+    p.add_argument("--ops", type=lambda s: s.split(","), required=True)
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], required=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--port", type=int, default=0, help="gloo's TCP store port")
+    args = p.parse_args(argv)
+    {"asynccoll": run_asynccoll, "gloo": run_gloo, "mpi": run_mpi}[args.framework](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
