@@ -62,7 +62,7 @@ def _check_array(a: Any, what: str = "array", *, writable: bool = False) -> np.n
 
 
 def _sig_array(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
-    return dtype_code(a.dtype), tuple(int(n) for n in a.shape)
+    return dtype_code(a.dtype), a.shape  # numpy shapes are tuples of Python ints
 
 
 def _bytes_view(a: np.ndarray) -> memoryview:
@@ -183,7 +183,9 @@ class _Recv:
         without, it is an error.
         """
         fut = self.fut
-        if not fut.done() and self.call.poll:
+        if not fut.done() and self.call.poll and (
+                not self.call.t.yields or self.into is None
+                or self.into.nbytes <= self.call.tuning.poll_max_bytes):
             # poll a little before letting the event loop sleep (see Tuning.poll_us); with
             # more ranks than cores, hand the core over between polls (to the rank we wait for)
             deadline = time.perf_counter() + self.call.poll
@@ -316,13 +318,15 @@ async def _ring_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple
     return mine
 
 
-async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], step0: int) -> bool:
-    """Ring all-gather over ``blocks`` (block ``rank`` filled). Returns False if sizes differed,
-    in which case ``blocks`` holds the actual (differently sized) arrays."""
+async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], mine: np.ndarray,
+                           step0: int) -> bool:
+    """Ring all-gather of ``mine`` into ``blocks``. Returns False if sizes differed, in which
+    case ``blocks`` holds the actual (differently sized) arrays."""
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
     even = True
-    pending = [call.post(right, step0, blocks[r])]
+    pending = [call.post(right, step0, mine)]
+    blocks[r][...] = mine  # while the first block travels
     for s in range(w - 1):
         idx = (r - s - 1) % w
         got = await call.recv(left, step0 + s, blocks[idx], resize=True)
@@ -335,11 +339,12 @@ async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], step0: int) ->
     return even
 
 
-async def _direct_all_gather(call: _Call, blocks: list[np.ndarray]) -> bool:
+async def _direct_all_gather(call: _Call, blocks: list[np.ndarray], mine: np.ndarray) -> bool:
     w, r = call.size, call.rank
     peers = [j for j in range(w) if j != r]
     posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
-    pending = [call.post(j, 0, blocks[r]) for j in peers]
+    pending = [call.post(j, 0, mine) for j in peers]
+    blocks[r][...] = mine  # while the others' blocks travel
     even = True
     for j, rcv in zip(peers, posted, strict=True):
         got = await rcv.get(resize=True)
@@ -595,8 +600,9 @@ class Communicator:
             raise CommunicatorClosedError("the communicator was closed")
         t = self._transport
         seq = self._seq
-        # a failure in a later collective lets this one finish if every rank got past it
-        t.check_usable(self._group, seq)
+        if t._closed or t.mailbox.error is not None:
+            # a failure in a later collective lets this one finish if every rank got past it
+            t.check_usable(self._group, seq)
         self._seq += 1
         call = _Call(self, seq, sig)
         if self.world_size == 1:
@@ -750,13 +756,13 @@ class Communicator:
         if out is None or out.shape[0] != w * n:
             out = np.empty((w * n, *a.shape[1:]), a.dtype)
         blocks = [out[j * n:(j + 1) * n] for j in range(w)]
-        blocks[r][...] = a
         if w == 1:
+            blocks[r][...] = a
             return out
         if algo == "ring":
-            even = await _ring_all_gather(call, blocks, 0)
+            even = await _ring_all_gather(call, blocks, a, 0)
         else:
-            even = await _direct_all_gather(call, blocks)
+            even = await _direct_all_gather(call, blocks, a)
         return out if even else blocks
 
     async def all_gather(self, array: np.ndarray, *, out: np.ndarray | None = None

@@ -28,7 +28,10 @@ class Tuning:
         poll_us: before a receive sleeps in the event loop, keep polling this long (in
             microseconds). Waking a sleeping event loop costs tens of microseconds on many
             machines, more than a small message takes to arrive; polling trades CPU for
-            latency, so transports only do it when every local rank has a core to itself.
+            latency; with more ranks than cores, pollers hand their core over between polls.
+        poll_max_bytes: with more ranks than cores, only receives of at most this many bytes
+            poll: a large payload takes far longer to arrive than a wake-up, and polling for
+            it burns a core another rank needs.
     """
 
     small_bytes: int = 64 * 1024
@@ -37,6 +40,7 @@ class Tuning:
     chain_segment_bytes: int = 1 << 20
     direct_all_gather_ranks: int = 4
     poll_us: int = 200
+    poll_max_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 1:
