@@ -282,17 +282,7 @@ def decode_header(body: bytes | bytearray | memoryview, kind: int = 0) -> FrameH
     """
     if kind == FrameKind.DATA or kind == FrameKind.P2P:
         return _decode_data_header(body)
-    limit = len(body)
-    try:
-        obj = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=limit, max_bin_len=limit, max_array_len=limit, max_map_len=limit,
-            max_ext_len=limit,
-        )
-    except Exception as exc:  # msgpack raises many types for corrupt input; all mean the same
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise ProtocolError("header must be a msgpack map")
+    obj = _unpack_map(body, use_list=True)
     if _too_deep(obj):  # before anything below recurses into it (or reprs it)
         raise ProtocolError(f"header nests deeper than {MAX_HEADER_DEPTH} levels")
     try:
@@ -315,13 +305,12 @@ def decode_header(body: bytes | bytearray | memoryview, kind: int = 0) -> FrameH
         raise ProtocolError(f"bad header: {exc}") from None
 
 
-def _decode_data_header(body: bytes | bytearray | memoryview) -> FrameHeader:
-    """:func:`decode_header` for DATA and P2P frames, the hot path: msgpack builds the tuples
-    itself, and only the signature can nest (``meta`` does not belong in these frames)."""
+def _unpack_map(body: bytes | bytearray | memoryview, *, use_list: bool) -> dict[Any, Any]:
+    """One msgpack map, with every length bounded by the header's own size."""
     limit = len(body)
     try:
         obj = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, use_list=False,
+            body, raw=False, strict_map_key=True, use_list=use_list,
             max_str_len=limit, max_bin_len=limit, max_array_len=limit, max_map_len=limit,
             max_ext_len=limit,
         )
@@ -329,6 +318,13 @@ def _decode_data_header(body: bytes | bytearray | memoryview) -> FrameHeader:
         raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
     if not isinstance(obj, dict):
         raise ProtocolError("header must be a msgpack map")
+    return obj
+
+
+def _decode_data_header(body: bytes | bytearray | memoryview) -> FrameHeader:
+    """:func:`decode_header` for DATA and P2P frames, the hot path: msgpack builds the tuples
+    itself, and only the signature can nest (``meta`` does not belong in these frames)."""
+    obj = _unpack_map(body, use_list=False)
     sig = obj.get("c")
     shape = obj.get("h")
     dtype = obj.get("d")

@@ -7,7 +7,10 @@ transport joins the whole suite by being appended to ``BACKENDS``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -54,3 +57,44 @@ TUNINGS = {"default": None, "ring": RING, "tree": TREE}
 def tuning(request: pytest.FixtureRequest) -> Tuning | None:
     """Every preset of ``TUNINGS`` in turn (``None`` is the default :class:`Tuning`)."""
     return TUNINGS[request.param]
+
+
+class LogWatch(logging.Handler):
+    """Collects the records of the ``asynccoll`` loggers; lets a test await a message."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._changed = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self._changed.set()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(r.getMessage() for r in self.records)
+
+    def messages(self, level: int = logging.WARNING) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= level]
+
+    async def wait_for(self, pattern: str, within: float = 3.0) -> re.Match[str]:
+        async with asyncio.timeout(within):
+            while not (match := re.search(pattern, self.text)):
+                self._changed.clear()
+                await self._changed.wait()
+        return match
+
+
+@pytest.fixture
+def logs() -> Iterator[LogWatch]:
+    """Every record of the ``asynccoll`` loggers during the test, DEBUG and up."""
+    logger = logging.getLogger("asynccoll")
+    watch, level = LogWatch(), logger.level
+    logger.addHandler(watch)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield watch
+    finally:
+        logger.removeHandler(watch)
+        logger.setLevel(level)

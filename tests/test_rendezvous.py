@@ -12,10 +12,11 @@ import logging
 import re
 import socket
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from conftest import LogWatch
 
 from asynccoll.errors import AuthenticationError, RendezvousError
 from asynccoll.handshake import client_handshake, read_frame, server_handshake, write_frame
@@ -28,43 +29,6 @@ MAX_VALUE = 1 << 20
 
 
 # ----------------------------------------------------------------------------------- fixtures
-
-class LogWatch(logging.Handler):
-    """Collects the records of the ``asynccoll`` loggers; lets a test await a message."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-        self._changed = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-        self._changed.set()
-
-    @property
-    def text(self) -> str:
-        return "\n".join(r.getMessage() for r in self.records)
-
-    async def wait_for(self, pattern: str, within: float = 3.0) -> re.Match[str]:
-        async with asyncio.timeout(within):
-            while not (match := re.search(pattern, self.text)):
-                self._changed.clear()
-                await self._changed.wait()
-        return match
-
-
-@pytest.fixture
-def logs() -> Iterator[LogWatch]:
-    logger = logging.getLogger("asynccoll")
-    watch, level = LogWatch(), logger.level
-    logger.addHandler(watch)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield watch
-    finally:
-        logger.removeHandler(watch)
-        logger.setLevel(level)
-
 
 @pytest.fixture
 async def server() -> AsyncIterator[RendezvousServer]:

@@ -13,11 +13,12 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import LogWatch
 
 import asynccoll
 from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
@@ -51,33 +52,6 @@ def _no_world_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-
-
-class LogWatch(logging.Handler):
-    """Collects the records of the ``asynccoll`` loggers."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def messages(self, level: int = logging.WARNING) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno >= level]
-
-
-@pytest.fixture
-def logs() -> Iterator[LogWatch]:
-    logger = logging.getLogger("asynccoll")
-    watch, level = LogWatch(), logger.level
-    logger.addHandler(watch)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield watch
-    finally:
-        logger.removeHandler(watch)
-        logger.setLevel(level)
 
 
 @contextlib.asynccontextmanager

@@ -7,9 +7,10 @@ pairs on first use.
 
 Reading is zero-copy for posted receives: :class:`~asynccoll.wire.BufferedFrameReader` asks the
 mailbox for the buffer a collective posted for the frame's key and the socket reads straight
-into it. Writing hands ``[prefix+header, memoryview(payload)]`` to ``writelines`` and, because
-the event loop may keep a reference to the payload until the kernel took it, ``send`` returns
-only once the connection's write buffer has drained.
+into it. Writing hands ``[prefix+header, memoryview(payload)]`` to ``writelines`` (small frames:
+one joined write); because the event loop may keep a reference to the payload until the kernel
+took it, ``post`` then returns a future that resolves once the connection's write buffer has
+drained (``None`` when the kernel took everything at once).
 
 Failures: a connection of an authenticated peer that ends without a BYE frame means the peer
 died; the world is aborted with :class:`~asynccoll.errors.PeerLostError` naming it and every
