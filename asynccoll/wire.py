@@ -550,7 +550,7 @@ class BufferedFrameReader:
             dest = self.sink(kind, header, payload_len) if self.sink is not None else None
             owner: Any
             if dest is None:
-                owner = bytearray(payload_len)
+                owner = np.empty(payload_len, np.uint8)  # no zero-fill: all of it is read in
                 dest = memoryview(owner)
             else:
                 owner = dest

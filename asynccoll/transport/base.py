@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import (
     CollectiveError,
     CommunicatorClosedError,
@@ -83,6 +85,9 @@ class Mailbox:
         self._active: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._early_sig: dict[tuple[int, int], tuple[int, tuple[Any, ...] | None]] = {}
         self._lost: dict[int, CollectiveError] = {}
+        # early frames whose payload still belongs to the (in-process) sender: the future
+        # tells the sender when the receiver has copied it
+        self._lent: dict[Key, asyncio.Future[None]] = {}
         self._error: CollectiveError | None = None
         self._scope: Scope | None = None
         self._on_mismatch = on_mismatch
@@ -109,7 +114,34 @@ class Mailbox:
             if lost is not None:
                 raise lost
             return None
-        return _fill(frame, into)
+        filled = _fill(frame, into)
+        lent = self._lent.pop(key, None)
+        if lent is not None:
+            if filled.payload is not into:  # not copied yet: take our own copy now
+                own = np.empty(memoryview(frame.payload).nbytes, np.uint8)
+                own.data.cast("B")[:] = frame.payload
+                filled = Frame(frame.kind, frame.header, own)
+            lent.set_result(None)
+        return filled
+
+    def lend(self, key: Key, frame: Frame) -> asyncio.Future[None]:
+        """Keep an early frame whose payload is the sender's memory, without copying it.
+
+        Only for senders in this process (the memory transport): the returned future
+        resolves once the receiver copied the payload out (or the frame was dropped), and
+        the sender must not touch the payload before.
+        """
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._error is not None and not self._key_allowed(key):
+            fut.set_result(None)
+            return fut
+        self._early[key] = frame
+        self._lent[key] = fut
+        return fut
+
+    def waiting(self, key: Key) -> bool:
+        """Whether a receive for ``key`` is posted."""
+        return key in self._posted
 
     def post(self, key: Key, into: memoryview | None, sig: tuple[Any, ...] | None
              ) -> asyncio.Future[Frame]:
@@ -189,6 +221,9 @@ class Mailbox:
             _fail_future(self._posted.pop(key).future, exc)
         for key in [k for k in self._early if not self._key_allowed(k)]:
             del self._early[key]
+            lent = self._lent.pop(key, None)
+            if lent is not None:
+                lent.set_result(None)
         return True
 
     def allowed(self, group: int, seq: int) -> bool:

@@ -8,6 +8,7 @@ A world is an object (:class:`MemoryWorld`); two worlds in one process share not
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -27,6 +28,11 @@ from .base import Transport, frame_key
 
 log = logging.getLogger("asynccoll.transport.memory")
 
+#: collective payloads at least this large are lent to an early receiver instead of copied
+#: twice (once now, once into the receive); point-to-point messages are always copied, so
+#: that a send never waits for its receive
+LEND_MIN_BYTES = 64 * 1024
+
 
 class MemoryWorld:
     """The ranks of one in-process world."""
@@ -43,17 +49,20 @@ class MemoryTransport(Transport):
         super().__init__(rank, world_size)
         self._world = world
 
-    def post(self, dst: int, head: bytes, payload: memoryview | None) -> None:
-        """Deliver at once: the payload is copied before this returns."""
+    def post(self, dst: int, head: bytes, payload: memoryview | None
+             ) -> asyncio.Future[None] | None:
+        """Deliver at once: into the receive when it is posted (one copy, ``None`` returned);
+        otherwise a large collective payload is lent until the receiver copies it (the
+        returned future), and anything else copied now."""
         self.check_sendable()
         view = payload if payload is not None else memoryview(b"")
         peer = self._world.transports[dst]
         if peer._closed:
             raise PeerLostError(f"world rank {dst} has closed its communicator", rank=dst)
         self.bytes_sent += view.nbytes
-        peer._receive(head, view)
+        return peer._receive(head, view)
 
-    def _receive(self, head: bytes, payload: memoryview) -> None:
+    def _receive(self, head: bytes, payload: memoryview) -> asyncio.Future[None] | None:
         """Decode a frame as a socket reader would, and hand it to the mailbox."""
         try:
             kind, header_len, payload_len = parse_prefix(head[:PREFIX_SIZE],
@@ -65,18 +74,22 @@ class MemoryTransport(Transport):
             raise
         if kind == FrameKind.ABORT:
             self._on_abort_frame(Frame(kind, header, b""))
-            return
+            return None
         if not self.mailbox.check(kind, header):
-            return
+            return None
         key = frame_key(kind, header)
         into = self.mailbox.claim(key, payload_len)
         if into is not None:
             into[:] = payload
             self.mailbox.deliver(key, Frame(kind, header, into))
+        elif (kind == FrameKind.DATA and payload_len >= LEND_MIN_BYTES
+              and not self.mailbox.waiting(key)):
+            return self.mailbox.lend(key, Frame(kind, header, payload))
         else:
             owner = np.empty(payload_len, np.uint8)  # no zero-fill: every byte is copied in
             owner.data.cast("B")[:] = payload
             self.mailbox.deliver(key, Frame(kind, header, owner))
+        return None
 
     def _notify_abort(self, frame: Frame) -> None:
         head = encode_head(frame.kind, frame.header, 0)
