@@ -1,24 +1,9 @@
-"""The Communicator and every collective algorithm, written once over the transport interface.
+"""The Communicator: argument checks, sequence numbers, signatures, timeouts, failures.
 
 Each public collective validates its arguments (raising ``TypeError``/``ValueError`` before
 anything is sent), takes the next sequence number of its group, computes its *signature* (what
-all ranks must agree on: name, dtype, shape, op, root, algorithm) and runs one algorithm:
-
-=================  ==========================================  ===============================
-collective         small messages (latency)                    large messages (bandwidth)
-=================  ==========================================  ===============================
-all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather
-reduce             binomial tree                               ring reduce-scatter + gather
-reduce_scatter     direct (one round)                          ring
-all_gather         direct (one round, W <= 4 by default)       ring
-broadcast          binomial tree                               pipelined chain
-gather / scatter   direct                                      direct
-all_to_all         pairwise exchange                           pairwise exchange
-barrier            dissemination                               -
-=================  ==========================================  ===============================
-
-Thresholds live in :mod:`asynccoll.tuning`. Algorithms talk to peers only through
-``_Call.send`` / ``_Call.recv``, so every backend runs exactly this code.
+all ranks must agree on: name, dtype, shape, op, root, algorithm) and runs one algorithm of
+:mod:`asynccoll.algorithms`, chosen by :mod:`asynccoll.tuning`.
 """
 
 from __future__ import annotations
@@ -26,19 +11,35 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import os
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
 
+from .algorithms import (
+    AGREE_STEP,
+    Call,
+    binomial_broadcast,
+    binomial_reduce,
+    bytes_view,
+    chain_broadcast,
+    direct_all_gather,
+    direct_reduce_scatter,
+    dissemination_barrier,
+    recursive_doubling,
+    ring,
+    ring_all_gather,
+    ring_reduce,
+    ring_reduce_scatter,
+    row_bounds,
+    settle,
+)
 from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
-from .ops import ReduceOp, check_op, combine, combine_ordered, finish
+from .ops import ReduceOp, check_op, finish
 from .transport.base import Transport, describe_sig
 from .tuning import Tuning
-from .wire import Frame, FrameKind, array_view, dtype_code, encode_data_head
+from .wire import FrameKind, array_view, dtype_code, encode_data_head
 
 T = TypeVar("T")
 
@@ -65,28 +66,6 @@ def _sig_array(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
     return dtype_code(a.dtype), a.shape  # numpy shapes are tuples of Python ints
 
 
-def _bytes_view(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
-
-
-def _row_bounds(rows: int, row_size: int, parts: int) -> list[tuple[int, int]]:
-    """Element ranges of ``numpy.array_split(rows, parts)`` blocks of a flat array."""
-    base, extra = divmod(rows, parts)
-    bounds, start = [], 0
-    for j in range(parts):
-        n = (base + (1 if j < extra else 0)) * row_size
-        bounds.append((start, start + n))
-        start += n
-    return bounds
-
-
-async def _settle(pending: list[asyncio.Future[None] | None]) -> None:
-    """Wait for posted sends (see Transport.post) to release their payloads."""
-    for p in pending:
-        if p is not None:
-            await p
-
-
 def _into(out: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
     rows = sum(b.shape[0] for b in blocks)
     if rows != out.shape[0]:
@@ -106,364 +85,6 @@ def _pack_object(obj: Any) -> np.ndarray:
 def _unpack_object(a: np.ndarray) -> Any:
     return msgpack.unpackb(a.tobytes(), raw=False, strict_map_key=False)
 
-
-class _Call:
-    """One collective in flight: its sequence number and signature, and peer I/O by group rank.
-
-    Sends are *posted* (:meth:`post` never blocks; it returns a future when the payload is
-    still in use) and receives can be posted ahead (:meth:`post_recv`), so algorithms overlap
-    transfers with each other and with reductions without creating tasks.
-    """
-
-    __slots__ = ("group", "poll", "rank", "ranks", "seq", "sig", "size", "src", "t", "tuning")
-
-    def __init__(self, comm: Communicator, seq: int, sig: tuple[Any, ...]) -> None:
-        self.t = comm._transport
-        self.src = self.t.rank
-        self.ranks = comm._ranks
-        self.group = comm._group
-        self.rank = comm._rank
-        self.size = len(comm._ranks)
-        self.seq = seq
-        self.sig = sig
-        self.tuning = comm.tuning
-        self.poll = comm.tuning.poll_us * 1e-6 if self.t.polls else 0.0
-
-    def post(self, peer: int, step: int, arr: np.ndarray) -> asyncio.Future[None] | None:
-        """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
-        head = encode_data_head(FrameKind.DATA, self.group, self.seq, step, 0, self.src,
-                                dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
-        return self.t.post(self.ranks[peer], head, _bytes_view(arr))
-
-    async def send(self, peer: int, step: int, arr: np.ndarray) -> None:
-        pending = self.post(peer, step, arr)
-        if pending is not None:
-            await pending
-            self.t.check_sendable()
-
-    def post_recv(self, peer: int, step: int, into: np.ndarray | None = None) -> _Recv:
-        """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later."""
-        key = (self.ranks[peer], int(FrameKind.DATA), self.group, self.seq, step, 0)
-        view = _bytes_view(into) if into is not None else None
-        return _Recv(self, peer, into, view, self.t.post_recv(key, view, self.sig))
-
-    async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
-                   resize: bool = False) -> np.ndarray:
-        """Receive the frame of ``step`` from group rank ``peer`` (see :meth:`_Recv.get`)."""
-        return await self.post_recv(peer, step, into).get(resize=resize)
-
-    async def exchange(self, dst: int, arr: np.ndarray, src: int, into: np.ndarray | None,
-                       step: int, *, resize: bool = False) -> np.ndarray:
-        """Send ``arr`` to ``dst`` while receiving from ``src`` (see :meth:`_Recv.get`)."""
-        pending = self.post(dst, step, arr)
-        got = await self.recv(src, step, into, resize=resize)
-        if pending is not None:
-            await pending
-            self.t.check_sendable()
-        return got
-
-
-class _Recv:
-    """A posted receive."""
-
-    __slots__ = ("call", "fut", "into", "peer", "view")
-
-    def __init__(self, call: _Call, peer: int, into: np.ndarray | None, view: memoryview | None,
-                 fut: asyncio.Future[Frame]) -> None:
-        self.call = call
-        self.peer = peer
-        self.into = into
-        self.view = view
-        self.fut = fut
-
-    async def get(self, *, resize: bool = False) -> np.ndarray:
-        """The received array: ``into`` when the data landed there.
-
-        With ``resize``, a sender's array of another shape comes back as a new array;
-        without, it is an error.
-        """
-        fut = self.fut
-        if not fut.done() and self.call.poll and (
-                not self.call.t.yields or self.into is None
-                or self.into.nbytes <= self.call.tuning.poll_max_bytes):
-            # poll a little before letting the event loop sleep (see Tuning.poll_us); with
-            # more ranks than cores, hand the core over between polls (to the rank we wait for)
-            deadline = time.perf_counter() + self.call.poll
-            yields = self.call.t.yields
-            while not fut.done() and time.perf_counter() < deadline:
-                await asyncio.sleep(0)
-                if yields:
-                    os.sched_yield()
-        frame = await fut
-        h = frame.header
-        sig = self.call.sig
-        if h.sig != sig:  # the mailbox caught it already; never hand out such data
-            raise CollectiveError(f"collective mismatch: {describe_sig(h.sig)} "
-                                  f"vs {describe_sig(sig)}")
-        assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
-        into = self.into
-        if into is not None:
-            landed = frame.payload is self.view
-            if landed and (not resize or h.shape == into.shape):
-                return into
-            if not resize:
-                raise CollectiveError(f"group rank {self.peer} sent {h.shape} where "
-                                      f"{into.shape} was expected")
-            if landed:  # zero bytes either way, only the shape differs
-                return np.empty(h.shape, into.dtype)
-        return array_view(frame.payload, h.dtype, h.shape)
-
-
-# ------------------------------------------------------------------------------ algorithms
-
-async def _recursive_doubling(call: _Call, flat: np.ndarray, op: ReduceOp) -> None:
-    """All-reduce in place in ceil(log2 W) (+2) rounds; every rank ends bit-identical."""
-    w, r = call.size, call.rank
-    p = 1 << (w.bit_length() - 1)  # largest power of two <= w
-    extra = w - p
-    rounds = p.bit_length() - 1
-    if r >= p:  # fold: hand my data to a partner, get the result back
-        pending = call.post(r - p, 0, flat)
-        await call.recv(r - p, rounds + 1, flat)
-        await _settle([pending])
-        return
-    scratch = np.empty_like(flat)
-    if r < extra:
-        combine(flat, await call.recv(r + p, 0, scratch), op)
-    for k in range(rounds):
-        partner = r ^ (1 << k)
-        got = await call.exchange(partner, flat, partner, scratch, k + 1)
-        if r < partner:  # the lower rank's operand on the left on both ranks: identical bits
-            combine_ordered(flat, flat, got, op)
-        else:
-            combine_ordered(flat, got, flat, op)
-    if r < extra:
-        await call.send(r + p, rounds + 1, flat)
-
-
-def _segments(start: int, stop: int, nseg: int) -> list[tuple[int, int]]:
-    n = stop - start
-    return [(start + n * k // nseg, start + n * (k + 1) // nseg) for k in range(nseg)]
-
-
-async def _ring(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp | None,
-                *, reduce_steps: int, gather_steps: int, inplace: bool = True) -> np.ndarray | None:
-    """The pipelined ring behind all_reduce and reduce_scatter.
-
-    ``flat`` is split into ``W`` blocks (``bounds``) and each block into segments. The first
-    ``reduce_steps`` steps receive a partial block from the left, reduce it with the local
-    one and forward it (reduce-scatter); the next ``gather_steps`` steps receive a finished
-    block and forward it (all-gather). Each segment is forwarded as soon as it is ready, and
-    every receive is posted up front, so the socket writes each segment where it belongs
-    (partial sums into a scratch slot per step, finished blocks into ``flat``) however far
-    ahead a neighbour runs, while NumPy reduces what already arrived.
-
-    ``inplace``: partial sums are reduced into ``flat`` (all_reduce); otherwise ``flat`` is
-    only read and the finished block ``rank`` is returned (a view of the scratch).
-    """
-    w, r = call.size, call.rank
-    left, right = (r - 1) % w, (r + 1) % w
-    width = max(stop - start for start, stop in bounds)
-    seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
-    nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
-    total = reduce_steps + gather_steps
-    scratch = np.empty(reduce_steps * width, flat.dtype)
-
-    def block(s: int) -> int:  # block received at step s
-        return (r - s - 2) % w if s < reduce_steps else (r - (s - reduce_steps) - 1) % w
-
-    def targets(s: int) -> list[np.ndarray]:
-        start, stop = bounds[block(s)]
-        if s < reduce_steps:
-            base = s * width - start
-            return [scratch[base + a:base + b] for a, b in _segments(start, stop, nseg)]
-        return [flat[a:b] for a, b in _segments(start, stop, nseg)]
-
-    first = (r - 1) % w if reduce_steps else r
-    pending = [call.post(right, k, flat[a:b])
-               for k, (a, b) in enumerate(_segments(*bounds[first], nseg))]
-    posted = [[call.post_recv(left, s * nseg + k, t) for k, t in enumerate(targets(s))]
-              for s in range(total)]
-    ready = flat[:0]
-    for s in range(total):
-        start, stop = bounds[block(s)]
-        for k, (a, b) in enumerate(_segments(start, stop, nseg)):
-            got = await posted[s][k].get()
-            if s < reduce_steps:
-                assert op is not None
-                if inplace:
-                    combine(flat[a:b], got, op)
-                    ready = flat[a:b]
-                else:
-                    combine(got, flat[a:b], op)
-                    ready = got
-            else:
-                ready = flat[a:b]
-            if s + 1 < total:
-                pending.append(call.post(right, (s + 1) * nseg + k, ready))
-    await _settle(pending)
-    if inplace:
-        return None
-    start, stop = bounds[r]
-    base = (reduce_steps - 1) * width
-    return scratch[base:base + stop - start]
-
-
-async def _ring_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
-                               op: ReduceOp) -> np.ndarray:
-    """Ring reduce-scatter leaving ``flat`` untouched; returns block ``rank`` reduced (new)."""
-    mine = await _ring(call, flat, bounds, op, reduce_steps=call.size - 1, gather_steps=0,
-                       inplace=False)
-    assert mine is not None
-    return mine
-
-
-async def _ring_all_gather(call: _Call, blocks: list[np.ndarray], mine: np.ndarray,
-                           step0: int) -> bool:
-    """Ring all-gather of ``mine`` into ``blocks``. Returns False if sizes differed, in which
-    case ``blocks`` holds the actual (differently sized) arrays."""
-    w, r = call.size, call.rank
-    left, right = (r - 1) % w, (r + 1) % w
-    even = True
-    pending = [call.post(right, step0, mine)]
-    blocks[r][...] = mine  # while the first block travels
-    for s in range(w - 1):
-        idx = (r - s - 1) % w
-        got = await call.recv(left, step0 + s, blocks[idx], resize=True)
-        if got is not blocks[idx]:
-            blocks[idx] = got
-            even = False
-        if s + 1 < w - 1:
-            pending.append(call.post(right, step0 + s + 1, got))
-    await _settle(pending)
-    return even
-
-
-async def _direct_all_gather(call: _Call, blocks: list[np.ndarray], mine: np.ndarray) -> bool:
-    w, r = call.size, call.rank
-    peers = [j for j in range(w) if j != r]
-    posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
-    pending = [call.post(j, 0, mine) for j in peers]
-    blocks[r][...] = mine  # while the others' blocks travel
-    even = True
-    for j, rcv in zip(peers, posted, strict=True):
-        got = await rcv.get(resize=True)
-        if got is not blocks[j]:
-            blocks[j] = got
-            even = False
-    await _settle(pending)
-    return even
-
-
-async def _binomial_broadcast(call: _Call, root: int, flat: np.ndarray | None) -> np.ndarray:
-    """Binomial-tree broadcast. Non-roots may pass ``flat=None`` to receive an unknown size."""
-    w, r = call.size, call.rank
-    vr = (r - root) % w
-    mask = 1
-    while mask < w:
-        if vr & mask:
-            flat = await call.recv((vr - mask + root) % w, 0, flat, resize=flat is None)
-            break
-        mask <<= 1
-    assert flat is not None
-    pending = []
-    mask >>= 1
-    while mask > 0:
-        if vr + mask < w:
-            pending.append(call.post((vr + mask + root) % w, 0, flat))
-        mask >>= 1
-    await _settle(pending)
-    return flat
-
-
-async def _chain_broadcast(call: _Call, root: int, flat: np.ndarray) -> None:
-    """Pipelined chain root -> root+1 -> ...: segment k is forwarded as soon as it arrives."""
-    w, r = call.size, call.rank
-    vr = (r - root) % w
-    prev, nxt = (r - 1) % w, (r + 1) % w
-    seg = max(1, call.tuning.chain_segment_bytes // max(1, flat.itemsize))
-    nseg = min(MAX_SEGMENTS, max(1, -(-flat.size // seg)))
-    parts = [flat[a:b] for a, b in _segments(0, flat.size, nseg)]
-    posted = [call.post_recv(prev, k, part) for k, part in enumerate(parts)] if vr else []
-    pending = []
-    for k, part in enumerate(parts):
-        if vr:
-            await posted[k].get()
-        if vr < w - 1:
-            pending.append(call.post(nxt, k, part))
-    await _settle(pending)
-
-
-async def _binomial_reduce(call: _Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
-    """Binomial-tree reduce; only the root's ``flat`` is modified."""
-    w, r = call.size, call.rank
-    vr = (r - root) % w
-    work = flat
-    scratch: np.ndarray | None = None
-    mask = 1
-    while mask < w:
-        if vr & mask:
-            await call.send((vr - mask + root) % w, 0, work)
-            return
-        if vr + mask < w:
-            if scratch is None:
-                scratch = np.empty_like(flat)
-                if vr != 0:
-                    work = flat.copy()
-            combine(work, await call.recv((vr + mask + root) % w, 0, scratch), op)
-        mask <<= 1
-
-
-async def _ring_reduce(call: _Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
-    """Ring reduce-scatter, then every rank sends its reduced block to the root."""
-    w, r = call.size, call.rank
-    bounds = _row_bounds(flat.size, 1, w)
-    mine = await _ring_reduce_scatter(call, flat, bounds, op)
-    if r != root:
-        await call.send(root, 1 << 30, mine)
-        return
-    posted = [call.post_recv(j, 1 << 30, flat[bounds[j][0]:bounds[j][1]])
-              for j in range(w) if j != root]
-    start, stop = bounds[r]
-    flat[start:stop] = mine
-    for rcv in posted:
-        await rcv.get()
-
-
-async def _direct_reduce_scatter(call: _Call, flat: np.ndarray, bounds: list[tuple[int, int]],
-                                 op: ReduceOp) -> np.ndarray:
-    w, r = call.size, call.rank
-    start, stop = bounds[r]
-    out = flat[start:stop].copy()
-    peers = [j for j in range(w) if j != r]
-    scratch = [np.empty(stop - start, flat.dtype) for _ in peers]
-    posted = [call.post_recv(j, 0, buf) for j, buf in zip(peers, scratch, strict=True)]
-    pending = [call.post(j, 0, flat[bounds[j][0]:bounds[j][1]]) for j in peers]
-    for rcv in posted:
-        combine(out, await rcv.get(), op)
-    await _settle(pending)
-    return out
-
-
-#: most segments a pipelined block is cut into (bounds the receives posted per call)
-MAX_SEGMENTS = 64
-
-#: first step number of the signature-agreement rounds (far above any algorithm's steps)
-AGREE_STEP = 0xFFFF0000
-
-
-async def _dissemination_barrier(call: _Call, step0: int = 0) -> None:
-    """ceil(log2 W) rounds; round k sends to rank+2^k and receives from rank-2^k.
-
-    Each round starts after the previous one's frame was received and its signature checked,
-    so a rank that finishes has (transitively) checked every rank's signature.
-    """
-    w, r = call.size, call.rank
-    token = np.empty(0, np.uint8)
-    k, dist = 0, 1
-    while dist < w:
-        await call.exchange((r + dist) % w, token, (r - dist) % w, None, step0 + k)
-        k, dist = k + 1, dist * 2
 
 
 # ----------------------------------------------------------------------------- communicator
@@ -586,7 +207,7 @@ class Communicator:
             raise CommunicatorClosedError("the communicator was closed")
         self._transport.check_usable()
 
-    async def _run(self, sig: tuple[Any, ...], body: Callable[[_Call], Awaitable[T]], *,
+    async def _run(self, sig: tuple[Any, ...], body: Callable[[Call], Awaitable[T]], *,
                    agree: bool = False) -> T:
         """Run one collective: sequence number, signature check, timeout, failure spreading.
 
@@ -604,7 +225,7 @@ class Communicator:
             # a failure in a later collective lets this one finish if every rank got past it
             t.check_usable(self._group, seq)
         self._seq += 1
-        call = _Call(self, seq, sig)
+        call = Call(t, self._ranks, self._group, self._rank, seq, sig, self.tuning)
         if self.world_size == 1:
             return await body(call)
         t.mailbox.begin(self._group, seq, sig)
@@ -617,7 +238,7 @@ class Communicator:
             if not agree:
                 return await body(call)
             # the agreement runs alongside the data; nobody returns before it completed
-            agreement = asyncio.ensure_future(_dissemination_barrier(call, AGREE_STEP))
+            agreement = asyncio.ensure_future(dissemination_barrier(call, AGREE_STEP))
             try:
                 result = await body(call)
                 await agreement
@@ -658,11 +279,11 @@ class Communicator:
         root = self._check_rank(root, "root")
         algo = self.tuning.broadcast(a.nbytes, self.world_size)
 
-        async def body(call: _Call) -> np.ndarray:
+        async def body(call: Call) -> np.ndarray:
             if algo == "chain":
-                await _chain_broadcast(call, root, a.reshape(-1))
+                await chain_broadcast(call, root, a.reshape(-1))
             else:
-                await _binomial_broadcast(call, root, a.reshape(-1))
+                await binomial_broadcast(call, root, a.reshape(-1))
             return a
 
         return await self._run(("broadcast", *_sig_array(a), root, algo), body, agree=True)
@@ -678,12 +299,12 @@ class Communicator:
         op = check_op(op, a.dtype)
         algo = self.tuning.reduce(a.nbytes, self.world_size)
 
-        async def body(call: _Call) -> np.ndarray | None:
+        async def body(call: Call) -> np.ndarray | None:
             flat = a.reshape(-1)
             if algo == "ring" and call.size > 1:
-                await _ring_reduce(call, root, flat, op)
+                await ring_reduce(call, root, flat, op)
             else:
-                await _binomial_reduce(call, root, flat, op)
+                await binomial_reduce(call, root, flat, op)
             if call.rank != root:
                 return None
             finish(a, op, call.size)
@@ -706,14 +327,14 @@ class Communicator:
         op = check_op(op, a.dtype)
         algo = self.tuning.all_reduce(a.nbytes, self.world_size)
 
-        async def body(call: _Call) -> np.ndarray:
+        async def body(call: Call) -> np.ndarray:
             flat = a.reshape(-1)
             if call.size > 1:
                 if algo == "ring":
-                    await _ring(call, flat, _row_bounds(flat.size, 1, call.size), op,
+                    await ring(call, flat, row_bounds(flat.size, 1, call.size), op,
                                 reduce_steps=call.size - 1, gather_steps=call.size - 1)
                 else:
-                    await _recursive_doubling(call, flat, op)
+                    await recursive_doubling(call, flat, op)
             finish(a, op, call.size)
             return a
 
@@ -732,22 +353,22 @@ class Communicator:
         algo = self.tuning.reduce_scatter(a.nbytes, self.world_size)
         row = math.prod(a.shape[1:])
 
-        async def body(call: _Call) -> np.ndarray:
+        async def body(call: Call) -> np.ndarray:
             flat = a.reshape(-1)
-            bounds = _row_bounds(a.shape[0], row, call.size)
+            bounds = row_bounds(a.shape[0], row, call.size)
             if call.size == 1:
                 out = flat.copy()
             elif algo == "ring":
-                out = await _ring_reduce_scatter(call, flat, bounds, op)
+                out = await ring_reduce_scatter(call, flat, bounds, op)
             else:
-                out = await _direct_reduce_scatter(call, flat, bounds, op)
+                out = await direct_reduce_scatter(call, flat, bounds, op)
             finish(out, op, call.size)
-            first, last = _row_bounds(a.shape[0], 1, call.size)[call.rank]
+            first, last = row_bounds(a.shape[0], 1, call.size)[call.rank]
             return out.reshape(last - first, *a.shape[1:])
 
         return await self._run(("reduce_scatter", *_sig_array(a), op.value, algo), body)
 
-    async def _gather_blocks(self, call: _Call, a: np.ndarray, algo: str,
+    async def _gather_blocks(self, call: Call, a: np.ndarray, algo: str,
                              out: np.ndarray | None = None) -> np.ndarray | list[np.ndarray]:
         """All-gather core: returns the concatenated array (``out`` when given) when all
         blocks had ``a``'s shape, else the list of blocks."""
@@ -760,9 +381,9 @@ class Communicator:
             blocks[r][...] = a
             return out
         if algo == "ring":
-            even = await _ring_all_gather(call, blocks, a, 0)
+            even = await ring_all_gather(call, blocks, a, 0)
         else:
-            even = await _direct_all_gather(call, blocks, a)
+            even = await direct_all_gather(call, blocks, a)
         return out if even else blocks
 
     async def all_gather(self, array: np.ndarray, *, out: np.ndarray | None = None
@@ -791,7 +412,7 @@ class Communicator:
         algo = self.tuning.all_gather(self.world_size)
         dtype, shape = _sig_array(a)
 
-        async def body(call: _Call) -> np.ndarray:
+        async def body(call: Call) -> np.ndarray:
             got = await self._gather_blocks(call, a, algo, out)
             if isinstance(got, np.ndarray):
                 if out is not None and got is not out:
@@ -806,7 +427,7 @@ class Communicator:
         a = _check_array(array)
         root = self._check_rank(root, "root")
 
-        async def body(call: _Call) -> list[np.ndarray] | None:
+        async def body(call: Call) -> list[np.ndarray] | None:
             if call.rank != root:
                 await call.send(root, 0, a)
                 return None
@@ -829,9 +450,9 @@ class Communicator:
                 raise ValueError(f"scatter on root needs a sequence of {self.world_size} arrays")
             items = [_check_array(x, f"arrays[{j}]") for j, x in enumerate(arrays)]
 
-        async def body(call: _Call) -> np.ndarray:
+        async def body(call: Call) -> np.ndarray:
             if call.rank == root:
-                await _settle([call.post(j, 0, items[j]) for j in range(call.size) if j != root])
+                await settle([call.post(j, 0, items[j]) for j in range(call.size) if j != root])
                 return items[root].copy()
             return await call.recv(root, 0)
 
@@ -844,7 +465,7 @@ class Communicator:
             raise ValueError(f"all_to_all needs a sequence of {self.world_size} arrays")
         items = [_check_array(x, f"arrays[{j}]") for j, x in enumerate(arrays)]
 
-        async def body(call: _Call) -> list[np.ndarray]:
+        async def body(call: Call) -> list[np.ndarray]:
             w, r = call.size, call.rank
             out: list[np.ndarray] = [np.empty(0)] * w
             out[r] = items[r].copy()
@@ -857,8 +478,8 @@ class Communicator:
 
     async def barrier(self) -> None:
         """Return once every rank of the group has entered the barrier."""
-        async def body(call: _Call) -> None:
-            await _dissemination_barrier(call)
+        async def body(call: Call) -> None:
+            await dissemination_barrier(call)
 
         await self._run(("barrier",), body)
 
@@ -888,7 +509,7 @@ class Communicator:
                                 dtype_code(a.dtype), a.shape, None, a.nbytes)
         try:
             async with asyncio.timeout(self.timeout):
-                await t.send(self._ranks[dst], head, _bytes_view(a))
+                await t.send(self._ranks[dst], head, bytes_view(a))
         except TimeoutError:
             err = CollectiveTimeout(f"send to group rank {dst} made no progress within "
                                     f"{self.timeout:g} s")
@@ -931,10 +552,10 @@ class Communicator:
         root = self._check_rank(root, "root")
         data = _pack_object(obj) if self._rank == root else None
 
-        async def body(call: _Call) -> Any:
+        async def body(call: Call) -> Any:
             if call.size == 1:
                 return _unpack_object(data)  # type: ignore[arg-type]
-            got = await _binomial_broadcast(call, root, data)
+            got = await binomial_broadcast(call, root, data)
             return _unpack_object(got)
 
         return await self._run(("broadcast_object", root), body, agree=True)
@@ -944,7 +565,7 @@ class Communicator:
         data = _pack_object(obj)
         algo = self.tuning.all_gather(self.world_size)
 
-        async def body(call: _Call) -> list[Any]:
+        async def body(call: Call) -> list[Any]:
             got = await self._gather_blocks(call, data, algo)
             blocks = list(got.reshape(call.size, -1)) if isinstance(got, np.ndarray) else got
             return [_unpack_object(b) for b in blocks]
@@ -970,7 +591,7 @@ class Communicator:
         self._children += 1
         algo = self.tuning.all_gather(self.world_size)
 
-        async def body(call: _Call) -> np.ndarray | list[np.ndarray]:
+        async def body(call: Call) -> np.ndarray | list[np.ndarray]:
             return await self._gather_blocks(call, digest, algo)
 
         got = await self._run(("new_group", child, algo), body)

@@ -1,7 +1,8 @@
 """The layering rules of STYLE.md, read from the source with ``ast``.
 
 * ``asynccoll/wire.py`` (sans-IO) imports nothing of asynccoll except ``errors``, and no I/O.
-* ``asynccoll/collectives.py`` never imports a concrete transport (memory, tcp, nccl, mpi).
+* ``asynccoll/collectives.py`` and ``algorithms.py`` never import a concrete transport (memory,
+  tcp, nccl, mpi).
 * nothing under ``asynccoll/parallel/`` imports ``asynccoll.transport`` or ``asynccoll.wire``.
 * ``import asynccoll`` imports no optional dependency (torch, cupy, mpi4py).
 * no module keeps obvious module-level mutable state (a dict/list/set bound to a name that is
@@ -100,10 +101,11 @@ def test_wire_is_sans_io_and_imports_only_errors():
     assert not io, f"wire.py is sans-IO, but imports {sorted(io)}"
 
 
-def test_collectives_never_import_a_concrete_transport():
-    found = imports(PACKAGE / "collectives.py")
+@pytest.mark.parametrize("module", ["collectives.py", "algorithms.py"])
+def test_collectives_never_import_a_concrete_transport(module: str) -> None:
+    found = imports(PACKAGE / module)
     bad = {n for n in found for t in CONCRETE_TRANSPORTS if within(n, t)}
-    assert not bad, f"collectives.py imports concrete transports: {sorted(bad)}"
+    assert not bad, f"{module} imports concrete transports: {sorted(bad)}"
 
 
 def test_parallel_uses_the_communicator_only():

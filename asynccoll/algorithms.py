@@ -1,0 +1,423 @@
+"""Every collective algorithm, written once over the transport interface.
+
+A collective of :class:`~asynccoll.collectives.Communicator` runs one of these coroutines with a
+:class:`Call`, its view of the collective in flight (sequence number, signature, group ranks).
+The algorithms:
+
+=================  ==========================================  ===============================
+collective         small messages (latency)                    large messages (bandwidth)
+=================  ==========================================  ===============================
+all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather
+reduce             binomial tree                               ring reduce-scatter + gather
+reduce_scatter     direct (one round)                          ring
+all_gather         direct (one round, W <= 4 by default)       ring
+broadcast          binomial tree                               pipelined chain
+gather / scatter   direct                                      direct
+all_to_all         pairwise exchange                           pairwise exchange
+barrier            dissemination                               -
+=================  ==========================================  ===============================
+
+Thresholds live in :mod:`asynccoll.tuning`. Algorithms talk to peers only through
+:class:`Call` (post, send, post_recv, recv, exchange), so every backend runs exactly this
+code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from .errors import CollectiveError
+from .ops import ReduceOp, combine, combine_ordered
+from .transport.base import Transport, describe_sig
+from .tuning import Tuning
+from .wire import Frame, FrameKind, array_view, dtype_code, encode_data_head
+
+
+def bytes_view(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
+
+
+def row_bounds(rows: int, row_size: int, parts: int) -> list[tuple[int, int]]:
+    """Element ranges of ``numpy.array_split(rows, parts)`` blocks of a flat array."""
+    base, extra = divmod(rows, parts)
+    bounds, start = [], 0
+    for j in range(parts):
+        n = (base + (1 if j < extra else 0)) * row_size
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+async def settle(pending: list[asyncio.Future[None] | None]) -> None:
+    """Wait for posted sends (see Transport.post) to release their payloads."""
+    for p in pending:
+        if p is not None:
+            await p
+
+
+
+
+class Call:
+    """One collective in flight: its sequence number and signature, and peer I/O by group rank.
+
+    Sends are *posted* (:meth:`post` never blocks; it returns a future when the payload is
+    still in use) and receives can be posted ahead (:meth:`post_recv`), so algorithms overlap
+    transfers with each other and with reductions without creating tasks.
+    """
+
+    __slots__ = ("group", "poll", "rank", "ranks", "seq", "sig", "size", "src", "t", "tuning")
+
+    def __init__(self, transport: Transport, ranks: tuple[int, ...], group: int, rank: int,
+                 seq: int, sig: tuple[Any, ...], tuning: Tuning) -> None:
+        self.t = transport
+        self.src = transport.rank
+        self.ranks = ranks
+        self.group = group
+        self.rank = rank
+        self.size = len(ranks)
+        self.seq = seq
+        self.sig = sig
+        self.tuning = tuning
+        self.poll = tuning.poll_us * 1e-6 if transport.polls else 0.0
+
+    def post(self, peer: int, step: int, arr: np.ndarray) -> asyncio.Future[None] | None:
+        """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
+        head = encode_data_head(FrameKind.DATA, self.group, self.seq, step, 0, self.src,
+                                dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
+        return self.t.post(self.ranks[peer], head, bytes_view(arr))
+
+    async def send(self, peer: int, step: int, arr: np.ndarray) -> None:
+        pending = self.post(peer, step, arr)
+        if pending is not None:
+            await pending
+            self.t.check_sendable()
+
+    def post_recv(self, peer: int, step: int, into: np.ndarray | None = None) -> Recv:
+        """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later."""
+        key = (self.ranks[peer], int(FrameKind.DATA), self.group, self.seq, step, 0)
+        view = bytes_view(into) if into is not None else None
+        return Recv(self, peer, into, view, self.t.post_recv(key, view, self.sig))
+
+    async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
+                   resize: bool = False) -> np.ndarray:
+        """Receive the frame of ``step`` from group rank ``peer`` (see :meth:`Recv.get`)."""
+        return await self.post_recv(peer, step, into).get(resize=resize)
+
+    async def exchange(self, dst: int, arr: np.ndarray, src: int, into: np.ndarray | None,
+                       step: int, *, resize: bool = False) -> np.ndarray:
+        """Send ``arr`` to ``dst`` while receiving from ``src`` (see :meth:`Recv.get`)."""
+        pending = self.post(dst, step, arr)
+        got = await self.recv(src, step, into, resize=resize)
+        if pending is not None:
+            await pending
+            self.t.check_sendable()
+        return got
+
+
+class Recv:
+    """A posted receive."""
+
+    __slots__ = ("call", "fut", "into", "peer", "view")
+
+    def __init__(self, call: Call, peer: int, into: np.ndarray | None, view: memoryview | None,
+                 fut: asyncio.Future[Frame]) -> None:
+        self.call = call
+        self.peer = peer
+        self.into = into
+        self.view = view
+        self.fut = fut
+
+    async def get(self, *, resize: bool = False) -> np.ndarray:
+        """The received array: ``into`` when the data landed there.
+
+        With ``resize``, a sender's array of another shape comes back as a new array;
+        without, it is an error.
+        """
+        fut = self.fut
+        if not fut.done() and self.call.poll and (
+                not self.call.t.yields or self.into is None
+                or self.into.nbytes <= self.call.tuning.poll_max_bytes):
+            # poll a little before letting the event loop sleep (see Tuning.poll_us); with
+            # more ranks than cores, hand the core over between polls (to the rank we wait for)
+            deadline = time.perf_counter() + self.call.poll
+            yields = self.call.t.yields
+            while not fut.done() and time.perf_counter() < deadline:
+                await asyncio.sleep(0)
+                if yields:
+                    os.sched_yield()
+        frame = await fut
+        h = frame.header
+        sig = self.call.sig
+        if h.sig != sig:  # the mailbox caught it already; never hand out such data
+            raise CollectiveError(f"collective mismatch: {describe_sig(h.sig)} "
+                                  f"vs {describe_sig(sig)}")
+        assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
+        into = self.into
+        if into is not None:
+            landed = frame.payload is self.view
+            if landed and (not resize or h.shape == into.shape):
+                return into
+            if not resize:
+                raise CollectiveError(f"group rank {self.peer} sent {h.shape} where "
+                                      f"{into.shape} was expected")
+            if landed:  # zero bytes either way, only the shape differs
+                return np.empty(h.shape, into.dtype)
+        return array_view(frame.payload, h.dtype, h.shape)
+
+
+# ------------------------------------------------------------------------------ algorithms
+
+async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
+    """All-reduce in place in ceil(log2 W) (+2) rounds; every rank ends bit-identical."""
+    w, r = call.size, call.rank
+    p = 1 << (w.bit_length() - 1)  # largest power of two <= w
+    extra = w - p
+    rounds = p.bit_length() - 1
+    if r >= p:  # fold: hand my data to a partner, get the result back
+        pending = call.post(r - p, 0, flat)
+        await call.recv(r - p, rounds + 1, flat)
+        await settle([pending])
+        return
+    scratch = np.empty_like(flat)
+    if r < extra:
+        combine(flat, await call.recv(r + p, 0, scratch), op)
+    for k in range(rounds):
+        partner = r ^ (1 << k)
+        got = await call.exchange(partner, flat, partner, scratch, k + 1)
+        if r < partner:  # the lower rank's operand on the left on both ranks: identical bits
+            combine_ordered(flat, flat, got, op)
+        else:
+            combine_ordered(flat, got, flat, op)
+    if r < extra:
+        await call.send(r + p, rounds + 1, flat)
+
+
+def segments(start: int, stop: int, nseg: int) -> list[tuple[int, int]]:
+    n = stop - start
+    return [(start + n * k // nseg, start + n * (k + 1) // nseg) for k in range(nseg)]
+
+
+async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp | None,
+                *, reduce_steps: int, gather_steps: int, inplace: bool = True) -> np.ndarray | None:
+    """The pipelined ring behind all_reduce and reduce_scatter.
+
+    ``flat`` is split into ``W`` blocks (``bounds``) and each block into segments. The first
+    ``reduce_steps`` steps receive a partial block from the left, reduce it with the local
+    one and forward it (reduce-scatter); the next ``gather_steps`` steps receive a finished
+    block and forward it (all-gather). Each segment is forwarded as soon as it is ready, and
+    every receive is posted up front, so the socket writes each segment where it belongs
+    (partial sums into a scratch slot per step, finished blocks into ``flat``) however far
+    ahead a neighbour runs, while NumPy reduces what already arrived.
+
+    ``inplace``: partial sums are reduced into ``flat`` (all_reduce); otherwise ``flat`` is
+    only read and the finished block ``rank`` is returned (a view of the scratch).
+    """
+    w, r = call.size, call.rank
+    left, right = (r - 1) % w, (r + 1) % w
+    width = max(stop - start for start, stop in bounds)
+    seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
+    nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
+    total = reduce_steps + gather_steps
+    scratch = np.empty(reduce_steps * width, flat.dtype)
+
+    def block(s: int) -> int:  # block received at step s
+        return (r - s - 2) % w if s < reduce_steps else (r - (s - reduce_steps) - 1) % w
+
+    def targets(s: int) -> list[np.ndarray]:
+        start, stop = bounds[block(s)]
+        if s < reduce_steps:
+            base = s * width - start
+            return [scratch[base + a:base + b] for a, b in segments(start, stop, nseg)]
+        return [flat[a:b] for a, b in segments(start, stop, nseg)]
+
+    first = (r - 1) % w if reduce_steps else r
+    pending = [call.post(right, k, flat[a:b])
+               for k, (a, b) in enumerate(segments(*bounds[first], nseg))]
+    posted = [[call.post_recv(left, s * nseg + k, t) for k, t in enumerate(targets(s))]
+              for s in range(total)]
+    ready = flat[:0]
+    for s in range(total):
+        start, stop = bounds[block(s)]
+        for k, (a, b) in enumerate(segments(start, stop, nseg)):
+            got = await posted[s][k].get()
+            if s < reduce_steps:
+                assert op is not None
+                if inplace:
+                    combine(flat[a:b], got, op)
+                    ready = flat[a:b]
+                else:
+                    combine(got, flat[a:b], op)
+                    ready = got
+            else:
+                ready = flat[a:b]
+            if s + 1 < total:
+                pending.append(call.post(right, (s + 1) * nseg + k, ready))
+    await settle(pending)
+    if inplace:
+        return None
+    start, stop = bounds[r]
+    base = (reduce_steps - 1) * width
+    return scratch[base:base + stop - start]
+
+
+async def ring_reduce_scatter(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]],
+                               op: ReduceOp) -> np.ndarray:
+    """Ring reduce-scatter leaving ``flat`` untouched; returns block ``rank`` reduced (new)."""
+    mine = await ring(call, flat, bounds, op, reduce_steps=call.size - 1, gather_steps=0,
+                       inplace=False)
+    assert mine is not None
+    return mine
+
+
+async def ring_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarray,
+                           step0: int) -> bool:
+    """Ring all-gather of ``mine`` into ``blocks``. Returns False if sizes differed, in which
+    case ``blocks`` holds the actual (differently sized) arrays."""
+    w, r = call.size, call.rank
+    left, right = (r - 1) % w, (r + 1) % w
+    even = True
+    pending = [call.post(right, step0, mine)]
+    blocks[r][...] = mine  # while the first block travels
+    for s in range(w - 1):
+        idx = (r - s - 1) % w
+        got = await call.recv(left, step0 + s, blocks[idx], resize=True)
+        if got is not blocks[idx]:
+            blocks[idx] = got
+            even = False
+        if s + 1 < w - 1:
+            pending.append(call.post(right, step0 + s + 1, got))
+    await settle(pending)
+    return even
+
+
+async def direct_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarray) -> bool:
+    w, r = call.size, call.rank
+    peers = [j for j in range(w) if j != r]
+    posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
+    pending = [call.post(j, 0, mine) for j in peers]
+    blocks[r][...] = mine  # while the others' blocks travel
+    even = True
+    for j, rcv in zip(peers, posted, strict=True):
+        got = await rcv.get(resize=True)
+        if got is not blocks[j]:
+            blocks[j] = got
+            even = False
+    await settle(pending)
+    return even
+
+
+async def binomial_broadcast(call: Call, root: int, flat: np.ndarray | None) -> np.ndarray:
+    """Binomial-tree broadcast. Non-roots may pass ``flat=None`` to receive an unknown size."""
+    w, r = call.size, call.rank
+    vr = (r - root) % w
+    mask = 1
+    while mask < w:
+        if vr & mask:
+            flat = await call.recv((vr - mask + root) % w, 0, flat, resize=flat is None)
+            break
+        mask <<= 1
+    assert flat is not None
+    pending = []
+    mask >>= 1
+    while mask > 0:
+        if vr + mask < w:
+            pending.append(call.post((vr + mask + root) % w, 0, flat))
+        mask >>= 1
+    await settle(pending)
+    return flat
+
+
+async def chain_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
+    """Pipelined chain root -> root+1 -> ...: segment k is forwarded as soon as it arrives."""
+    w, r = call.size, call.rank
+    vr = (r - root) % w
+    prev, nxt = (r - 1) % w, (r + 1) % w
+    seg = max(1, call.tuning.chain_segment_bytes // max(1, flat.itemsize))
+    nseg = min(MAX_SEGMENTS, max(1, -(-flat.size // seg)))
+    parts = [flat[a:b] for a, b in segments(0, flat.size, nseg)]
+    posted = [call.post_recv(prev, k, part) for k, part in enumerate(parts)] if vr else []
+    pending = []
+    for k, part in enumerate(parts):
+        if vr:
+            await posted[k].get()
+        if vr < w - 1:
+            pending.append(call.post(nxt, k, part))
+    await settle(pending)
+
+
+async def binomial_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
+    """Binomial-tree reduce; only the root's ``flat`` is modified."""
+    w, r = call.size, call.rank
+    vr = (r - root) % w
+    work = flat
+    scratch: np.ndarray | None = None
+    mask = 1
+    while mask < w:
+        if vr & mask:
+            await call.send((vr - mask + root) % w, 0, work)
+            return
+        if vr + mask < w:
+            if scratch is None:
+                scratch = np.empty_like(flat)
+                if vr != 0:
+                    work = flat.copy()
+            combine(work, await call.recv((vr + mask + root) % w, 0, scratch), op)
+        mask <<= 1
+
+
+async def ring_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
+    """Ring reduce-scatter, then every rank sends its reduced block to the root."""
+    w, r = call.size, call.rank
+    bounds = row_bounds(flat.size, 1, w)
+    mine = await ring_reduce_scatter(call, flat, bounds, op)
+    if r != root:
+        await call.send(root, 1 << 30, mine)
+        return
+    posted = [call.post_recv(j, 1 << 30, flat[bounds[j][0]:bounds[j][1]])
+              for j in range(w) if j != root]
+    start, stop = bounds[r]
+    flat[start:stop] = mine
+    for rcv in posted:
+        await rcv.get()
+
+
+async def direct_reduce_scatter(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]],
+                                 op: ReduceOp) -> np.ndarray:
+    w, r = call.size, call.rank
+    start, stop = bounds[r]
+    out = flat[start:stop].copy()
+    peers = [j for j in range(w) if j != r]
+    scratch = [np.empty(stop - start, flat.dtype) for _ in peers]
+    posted = [call.post_recv(j, 0, buf) for j, buf in zip(peers, scratch, strict=True)]
+    pending = [call.post(j, 0, flat[bounds[j][0]:bounds[j][1]]) for j in peers]
+    for rcv in posted:
+        combine(out, await rcv.get(), op)
+    await settle(pending)
+    return out
+
+
+#: most segments a pipelined block is cut into (bounds the receives posted per call)
+MAX_SEGMENTS = 64
+
+#: first step number of the signature-agreement rounds (far above any algorithm's steps)
+AGREE_STEP = 0xFFFF0000
+
+
+async def dissemination_barrier(call: Call, step0: int = 0) -> None:
+    """ceil(log2 W) rounds; round k sends to rank+2^k and receives from rank-2^k.
+
+    Each round starts after the previous one's frame was received and its signature checked,
+    so a rank that finishes has (transitively) checked every rank's signature.
+    """
+    w, r = call.size, call.rank
+    token = np.empty(0, np.uint8)
+    k, dist = 0, 1
+    while dist < w:
+        await call.exchange((r + dist) % w, token, (r - dist) % w, None, step0 + k)
+        k, dist = k + 1, dist * 2
+
