@@ -1,0 +1,76 @@
+"""The rendezvous state: key-value data, the roster of ranks and its generation (no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ._common import _DECIMAL, _I64_MAX, _I64_MIN, E_NOT_INTEGER, E_OVERFLOW, _OpError
+
+
+@dataclass(slots=True)
+class Member:
+    """One rank of the roster."""
+
+    host: str
+    port: int
+    meta: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Store:
+    """The state of a rendezvous server: plain data and synchronous operations, no I/O.
+
+    Each mutating method returns what it changed so the server can wake the matching waiters.
+    """
+
+    data: dict[str, bytes] = field(default_factory=dict)
+    members: dict[int, Member] = field(default_factory=dict)
+    generation: int = 0
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def add(self, key: str, delta: int) -> int:
+        old = self.data.get(key, b"0")
+        if not _DECIMAL.fullmatch(old):
+            raise _OpError(E_NOT_INTEGER, f"value of key {key!r} is not a decimal integer")
+        new = int(old) + delta
+        if not _I64_MIN <= new <= _I64_MAX:
+            raise _OpError(E_OVERFLOW, f"add would overflow a signed 64-bit integer at {key!r}")
+        self.data[key] = str(new).encode("ascii")
+        return new
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes
+                    ) -> tuple[bool, bytes | None]:
+        current = self.data.get(key)
+        if current != expected:
+            return False, current
+        self.data[key] = desired
+        return True, desired
+
+    def delete(self, key: str) -> bool:
+        return self.data.pop(key, None) is not None
+
+    def join(self, rank: int, host: str, port: int, meta: dict[str, Any]) -> int:
+        self.members[rank] = Member(host, port, meta)
+        return self.generation
+
+    def leave(self, rank: int) -> bool:
+        return self.members.pop(rank, None) is not None
+
+    def bump(self, expected: int | None) -> tuple[bool, int]:
+        if expected is not None and expected != self.generation:
+            return False, self.generation
+        self.generation += 1
+        self.members.clear()
+        return True, self.generation
+
+    def roster(self) -> tuple[dict[str, Any], bytes]:
+        """The ``roster`` result: meta, and the members as a msgpack array in the payload
+        (a large world would not fit the 64 KiB header)."""
+        members = [[rank, m.host, m.port, m.meta] for rank, m in sorted(self.members.items())]
+        return ({"generation": self.generation, "count": len(members)},
+                msgpack.packb(members, use_bin_type=True))
