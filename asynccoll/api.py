@@ -109,13 +109,7 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
     if backend == "memory":
         raise ValueError("the memory backend runs all ranks in one event loop: "
                          "use asynccoll.run_local(fn, world_size)")
-    if backend == "nccl":
-        from .transport.nccl import nccl_init  # type: ignore[import-not-found]
-
-        return await nccl_init(rank=rank, world_size=world_size, addr=addr, port=port,  # type: ignore[no-any-return]
-                               timeout=timeout, token=token, tuning=tuning, **options)
-    if backend == "mpi":
-        from .transport.mpi import mpi_init  # type: ignore[import-not-found]
-
-        return await mpi_init(timeout=timeout, tuning=tuning, **options)  # type: ignore[no-any-return]
+    if backend in ("nccl", "mpi"):
+        raise NotImplementedError(f"the {backend!r} backend is not available in this version "
+                                  f"yet; use 'tcp' (processes) or run_local (one process)")
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")

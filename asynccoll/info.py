@@ -59,7 +59,7 @@ def report() -> str:
         "backends:",
         "  memory  available",
         "  tcp     available" + (" (uvloop)" if uvloop_v else " (asyncio event loop)"),
-        f"  nccl    {_nccl()}",
-        f"  mpi     {_mpi()}",
+        f"  nccl    not implemented yet; runtime: {_nccl()}",
+        f"  mpi     not implemented yet; runtime: {_mpi()}",
     ]
     return "\n".join(lines)
