@@ -65,6 +65,7 @@ class FrameKind(enum.IntEnum):
 
 
 _KINDS: Final = frozenset(int(k) for k in FrameKind)
+_KIND_OF: Final = types.MappingProxyType({int(k): k for k in FrameKind})
 
 #: dtypes that may travel, by numpy ``dtype.str`` (little-endian or byte-order free).
 SUPPORTED_DTYPES: Final = frozenset(
@@ -271,7 +272,7 @@ def parse_prefix(prefix: bytes | bytearray | memoryview,
         raise ProtocolError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
     if payload_len > min(max_payload, ABSOLUTE_MAX_PAYLOAD_BYTES):
         raise ProtocolError(f"payload length {payload_len} exceeds the limit of {max_payload}")
-    return FrameKind(kind), header_len, payload_len
+    return _KIND_OF[kind], header_len, payload_len
 
 
 def decode_header(body: bytes | bytearray | memoryview, kind: int = 0) -> FrameHeader:
