@@ -1,7 +1,7 @@
 """``asynccoll bench``: an nccl-tests-style table per collective.
 
 Columns: size (bytes per rank's buffer, as nccl-tests counts it), count (elements), dtype,
-time (us, the slowest rank's mean per operation), algbw = size / time and busbw = algbw x the
+time (us, the slowest rank's median operation), algbw = size / time and busbw = algbw x the
 op's bus factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
 broadcast 1), in GB/s.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -103,11 +104,12 @@ async def measure(comm: Any, op: str, nbytes: int, dtype: str, iters: int, warmu
     for _ in range(warmup):
         await once()
     await comm.barrier()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        t0 = time.perf_counter()
         await once()
-    elapsed = (time.perf_counter() - t0) / iters
-    worst = np.array([elapsed])
+        times.append(time.perf_counter() - t0)
+    worst = np.array([statistics.median(times)])
     from .ops import ReduceOp
 
     await comm.all_reduce(worst, op=ReduceOp.MAX)
