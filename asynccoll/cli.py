@@ -30,6 +30,10 @@ def _run_loop(coro: Any) -> Any:
 
 # ------------------------------------------------------------------------------- launcher
 
+#: Variables that size BLAS / OpenMP thread pools; ``run`` sets OMP_NUM_THREADS if none is set.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 class _Launcher:
     def __init__(self, n: int, command: list[str], *, addr: str, port: int, token: str,
                  bind: str) -> None:
@@ -55,6 +59,11 @@ class _Launcher:
             "ASYNCCOLL_TOKEN": self.token,
             "PYTHONUNBUFFERED": "1",
         })
+        # N processes whose BLAS/OpenMP pools each start one thread per core oversubscribe
+        # the machine N times (a 10x slowdown of NumPy training on 2 cores): share the cores,
+        # as torchrun does, unless the user chose
+        if not any(v in os.environ for v in THREAD_VARS):
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.n))
         return env
 
     async def _pump(self, rank: int, stream: asyncio.StreamReader, out: Any) -> None:

@@ -1,0 +1,176 @@
+"""Checkpoints of data-parallel training that load into any number of ranks.
+
+A checkpoint is a directory:
+
+* ``meta.json``: format version, strategy, world size, the flat layout (every parameter's name,
+  shape, unit and flat range; every rank's shard as flat ranges), the dtype, the optimizer's
+  class, hyperparameters and step count;
+* ``shard-RRRRR.npz``, one per rank: ``params`` (the rank's shard of the flat parameters, in
+  the order of its ranges) and ``opt.NAME`` for every optimizer buffer (the same ranges).
+
+Every rank writes only its own shard, whatever the strategy (replicated state is cut the same
+way), so the files add up to one copy of everything. Loading reassembles the whole flat arrays
+from the ranges and gives each new rank its part, so a checkpoint saved by N ranks with one
+strategy loads into M ranks with any strategy, or into a plain model in one process
+(:func:`load_parameters`). The directory must be visible to every rank (one machine, or a
+shared file system). Error-feedback residuals of gradient compression are not saved: they
+restart from zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .data_parallel import DistributedModel
+from .model import Model
+
+FORMAT = "asynccoll-checkpoint"
+VERSION = 1
+
+
+def _shard_file(path: Path, rank: int) -> Path:
+    return path / f"shard-{rank:05d}.npz"
+
+
+def _write_atomic(target: Path, write: Any) -> None:
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, target)
+
+
+async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) -> None:
+    """Save ``dist``'s parameters and optimizer state under directory ``path``.
+
+    A collective: every rank of ``dist.comm`` calls it. Returns once every shard and the
+    metadata are on disk.
+    """
+    root = Path(path)
+    params, buffers, step = dist.shard_state()
+    arrays = {"params": params, **{f"opt.{k}": v for k, v in buffers.items()}}
+    meta = None
+    if dist.rank == 0:
+        opt = dist.optimizer
+        meta = {
+            "format": FORMAT, "version": VERSION, "strategy": dist.strategy,
+            "layout": dist.layout.describe(), "step": step,
+            "optimizer": None if opt is None else {
+                "class": type(opt).__name__, "hyper": opt.state_dict().get("hyper", {}),
+                "buffers": sorted(buffers)},
+        }
+
+    def write() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        _write_atomic(_shard_file(root, dist.rank),
+                      lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
+        if meta is not None:
+            _write_atomic(root / "meta.json",
+                          lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+    await asyncio.to_thread(write)      # the event loop keeps serving the other ranks
+    await dist.comm.barrier()
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint's metadata (``meta.json``), checked for format and version."""
+    file = Path(path) / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is not a checkpoint: no meta.json") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{file}: not an {FORMAT} version {VERSION} file")
+    return meta
+
+
+def read_full(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray,
+                                                      dict[str, np.ndarray]]:
+    """Reassemble the whole flat parameters and optimizer buffers of a checkpoint."""
+    root = Path(path)
+    meta = read_meta(root)
+    lay = meta["layout"]
+    dtype = np.dtype(lay["dtype"])
+    size = int(lay["size"])
+    params = np.empty(size, dtype)
+    names = (meta["optimizer"] or {}).get("buffers", [])
+    buffers = {n: np.empty(size, dtype) for n in names}
+    filled = np.zeros(size, bool)
+    for rank, ranges in enumerate(lay["shards"]):
+        with np.load(_shard_file(root, rank)) as z:
+            targets = [("params", params)] + [(f"opt.{n}", buffers[n]) for n in names]
+            for key, whole in targets:
+                piece = z[key]
+                pos = 0
+                for a, b in ranges:
+                    whole[a:b] = piece[pos:pos + b - a]
+                    pos += b - a
+                if pos != piece.size:
+                    raise ValueError(f"{root}: shard {rank} {key} has {piece.size} values, "
+                                     f"its ranges {pos}")
+        for a, b in ranges:
+            filled[a:b] = True
+    if not filled.all():
+        raise ValueError(f"{root}: the shards do not cover every parameter")
+    return meta, params, buffers
+
+
+def _check_layout(meta: dict[str, Any], dist_layout: dict[str, Any], where: str) -> None:
+    old = [(p["name"], tuple(p["shape"])) for p in meta["layout"]["params"]]
+    new = [(p["name"], tuple(p["shape"])) for p in dist_layout["params"]]
+    if old != new:
+        diff = sorted(set(old) ^ set(new))[:4]
+        raise ValueError(f"{where}: the checkpoint's parameters do not match the model's "
+                         f"(first differences: {diff})")
+    if meta["layout"]["dtype"] != dist_layout["dtype"]:
+        raise ValueError(f"{where}: checkpoint dtype {meta['layout']['dtype']}, model "
+                         f"{dist_layout['dtype']}")
+
+
+async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) -> None:
+    """Load a checkpoint saved with any number of ranks and any strategy into ``dist``.
+
+    A collective: every rank calls it (each reads the files it needs, then all ranks
+    synchronise, so nobody trains on a half-loaded state).
+    """
+    meta, params, buffers = await asyncio.to_thread(read_full, path)
+    _check_layout(meta, dist.layout.describe(), str(path))
+    opt = meta.get("optimizer")
+    if dist.optimizer is not None and opt is not None:
+        mine = type(dist.optimizer).__name__
+        if opt["class"] != mine:
+            raise ValueError(f"{path}: saved with optimizer {opt['class']}, loading into {mine}")
+        dist.load_full_state(params, buffers, int(meta["step"]), opt.get("hyper"))
+    else:
+        dist.load_full_state(params, {}, int(meta["step"]))
+    await dist.comm.barrier()
+
+
+def load_parameters(path: str | os.PathLike[str], model: Model | None = None
+                    ) -> dict[str, np.ndarray]:
+    """The checkpoint's parameters by name (whole arrays), in one process, no communicator.
+
+    With ``model``, also copies them into the model's parameter arrays (names and shapes
+    must match).
+    """
+    meta, flat, _ = read_full(path)
+    out = {}
+    for p in meta["layout"]["params"]:
+        a, b = p["range"]
+        out[p["name"]] = flat[a:b].reshape(p["shape"]).copy()
+    if model is not None:
+        current = model.parameters()
+        for name, value in out.items():
+            if name not in current or current[name].shape != value.shape:
+                raise ValueError(f"{path}: parameter {name} {value.shape} does not fit the model")
+        for name, value in out.items():
+            current[name][...] = value
+    return out
+
+
+__all__ = ["load_checkpoint", "load_parameters", "read_meta", "save_checkpoint"]

@@ -1,0 +1,3 @@
+import os
+
+print('OMP', os.environ.get('OMP_NUM_THREADS'))

@@ -1,0 +1,361 @@
+"""Data-parallel wrappers: DDP and ZeRO 1/2/3 train exactly like one process on the whole
+batch, hold the memory the ZeRO formulas say, exchange compressed gradients, and checkpoint
+across world sizes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import BACKENDS, run_world
+
+from asynccoll import CollectiveError, Communicator
+from asynccoll.parallel import (
+    MLP,
+    SGD,
+    STRATEGIES,
+    Adam,
+    DistributedModel,
+    FlatLayout,
+    Optimizer,
+    as_distributed,
+    as_distributed_optimizer,
+    load_checkpoint,
+    load_parameters,
+    save_checkpoint,
+    split_batch,
+)
+from asynccoll.parallel.model import Model
+
+SIZES = [5, 7, 4, 3]          # layer sizes that never divide evenly over 2, 3 or 4 ranks
+BATCH = 12
+STEPS = 20
+
+OPTIMIZERS: dict[str, Callable[[], Optimizer]] = {
+    "sgd": lambda: SGD(lr=0.05, momentum=0.9),
+    "adam": lambda: Adam(lr=0.01),
+}
+
+
+def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((BATCH, SIZES[0])), rng.standard_normal((BATCH, SIZES[-1])))
+            for _ in range(steps)]
+
+
+def flatten(model: Model) -> np.ndarray:
+    return np.concatenate([model.parameters()[s.name].reshape(-1) for s in model.param_specs()])
+
+
+async def reference(opt: Optimizer, steps: int = STEPS) -> np.ndarray:
+    """One process, whole batches: the model bound to flat buffers, one optimizer over them."""
+    model = MLP(SIZES, seed=3)
+    lay = FlatLayout(model.param_specs(), 1, 0)
+    params, grads = flatten(model), np.zeros(lay.size)
+    model.bind(params=lay.views(params), grads=lay.views(grads))
+    for batch in batches(steps):
+        grads.fill(0)
+        await model.forward_backward(batch)
+        opt.step(params, grads)
+    return params
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+async def test_equivalent_to_one_process(backend: str, world_size: int, strategy: str,
+                                         opt: str) -> None:
+    want = await reference(OPTIMIZERS[opt]())
+    bucket_bytes = 200 if world_size == 3 else None   # several buckets, uneven blocks
+
+    async def rank(comm: Communicator) -> np.ndarray:
+        model = MLP(SIZES, seed=3 if comm.rank == 0 else 100 + comm.rank)  # rank 0's wins
+        dist = as_distributed(model, comm, OPTIMIZERS[opt](), strategy=strategy,
+                              bucket_bytes=bucket_bytes)
+        for batch in batches():
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+        full = await dist.full_parameters()
+        return np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
+
+    got = await run_world(rank, world_size, backend)
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-12)
+    assert all(np.array_equal(got[0], g) for g in got), "ranks disagree"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+async def test_no_sync_accumulates_then_exchanges_once(strategy: str) -> None:
+    """Two half-batches under no_sync + one outside == one step on the sum of gradients."""
+    want = await reference(SGD(lr=0.05), steps=3)
+
+    async def rank(comm: Communicator) -> tuple[np.ndarray, int]:
+        model = MLP(SIZES, seed=3)
+        dist = as_distributed(model, comm, SGD(lr=0.05 / 2), strategy=strategy)
+        await dist.start()          # the initial broadcast of rank 0's parameters
+        sent = []
+        for batch in batches(3):
+            mine = split_batch(batch, comm.rank, comm.world_size)
+            halves = [split_batch(mine, 0, 2), split_batch(mine, 1, 2)]
+            before = comm.transport.bytes_sent
+            with dist.no_sync():
+                await dist.forward_backward(halves[0])
+            sent.append(comm.transport.bytes_sent - before)
+            await dist.forward_backward(halves[1])
+            await dist.optimizer_step()
+        return flatten(model), max(sent)
+
+    for params, sent in await run_world(rank, 2, "memory"):
+        np.testing.assert_allclose(params, want, rtol=1e-10)
+        assert sent == 0, "a pass under no_sync communicated"
+
+
+def zero_formula(strategy: str, psi: int, k: int, w: int) -> int:
+    return {"ddp": 2 * psi + k * psi,
+            "zero1": 2 * psi + k * psi // w,
+            "zero2": psi + (1 + k) * psi // w,
+            "zero3": (2 + k) * psi // w}[strategy]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_memory_follows_zero_formulas(backend: str, strategy: str) -> None:
+    sizes = [32, 64, 64, 48, 10]
+    w = 4
+
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(sizes, seed=0)
+        dist = as_distributed(model, comm, Adam(lr=1e-3), strategy=strategy,
+                              bucket_bytes=0 if strategy == "zero3" else None)
+        rng = np.random.default_rng(comm.rank)
+        for _ in range(2):
+            await dist.step((rng.standard_normal((4, sizes[0])),
+                             rng.standard_normal((4, sizes[-1]))))
+        return dist.memory(), dist.layout
+
+    results = await run_world(rank, w, backend)
+    lay: FlatLayout = results[0][1]
+    psi = lay.nbytes
+    largest = max(b.size for b in lay.buckets) * lay.dtype.itemsize
+    for report, _ in results:
+        want = zero_formula(strategy, psi, 2, w)     # Adam: two state buffers
+        assert abs(report.held - want) <= 0.1 * want + largest, (strategy, report, want)
+        if strategy == "zero3":
+            assert 0 < report.gathered_peak <= 2 * largest    # this bucket + the prefetched one
+            ddp = zero_formula("ddp", psi, 2, w)
+            assert report.held <= ddp / w * 1.1 + largest
+        else:
+            assert report.gathered_peak == 0
+        if strategy in ("zero2", "zero3"):
+            assert 0 < report.grad_buffers_peak <= psi
+
+
+async def test_zero3_gathers_each_layer_just_in_time() -> None:
+    """Only the running layer (and the prefetched next one) is ever whole."""
+    sizes = [16, 32, 32, 32, 4]
+
+    async def rank(comm: Communicator) -> tuple[int, int]:
+        model = MLP(sizes, seed=0)
+        dist = DistributedModel(model, comm, SGD(lr=0.1), strategy="zero3", prefetch=False)
+        rng = np.random.default_rng(comm.rank)
+        await dist.step((rng.standard_normal((4, 16)), rng.standard_normal((4, 4))))
+        largest = max(b.size for b in dist.layout.buckets) * 8
+        held = sum(a.size for a in model.parameters().values())
+        return dist.memory().gathered_peak - largest, held
+
+    for extra, held in await run_world(rank, 2, "memory"):
+        assert extra <= 0     # without prefetch, one layer at a time
+        assert held == 0      # and nothing stays gathered after the step
+
+
+@pytest.mark.parametrize("compression", ["int8", "topk:0.25", "fp16"])
+async def test_ddp_with_compression_trains_and_sends_less(compression: str) -> None:
+    sizes = [20, 64, 1]
+
+    async def rank(comm: Communicator, comp: str | None) -> tuple[float, int]:
+        model = MLP(sizes, seed=0)
+        dist = as_distributed(model, comm, SGD(lr=0.1, momentum=0.5), compression=comp)
+        rng = np.random.default_rng(7)
+        w_true = rng.standard_normal((20, 1))
+        x = rng.standard_normal((256, 20))
+        y = np.tanh(x @ w_true) * 0.5
+        before = comm.transport.bytes_sent
+        for step in range(60):
+            idx = np.random.default_rng(step).choice(256, 32, replace=False)
+            await dist.step(split_batch((x[idx], y[idx]), comm.rank, comm.world_size))
+        sent = comm.transport.bytes_sent - before
+        return await dist.loss((x, y)), sent
+
+    plain = await run_world(lambda c: rank(c, None), 2, "tcp")
+    packed = await run_world(lambda c: rank(c, compression), 2, "tcp")
+    assert packed[0][0] < plain[0][0] * 1.5 + 1e-3, (packed, plain)
+    assert packed[0][1] < plain[0][1] * 0.6, (packed, plain)
+
+
+async def test_compression_needs_an_all_reduce_strategy() -> None:
+    async def rank(comm: Communicator) -> None:
+        with pytest.raises(ValueError, match="ddp and zero1"):
+            as_distributed(MLP(SIZES), comm, strategy="zero3", compression="int8")
+
+    await run_world(rank, 2, "memory")
+
+
+async def test_zero3_checkpoint_reshards_to_2_ranks_and_1_process(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    data = batches(5)
+
+    async def train4(comm: Communicator) -> np.ndarray:
+        model = MLP(SIZES, seed=3)
+        dist = as_distributed(model, comm, Adam(lr=0.01), strategy="zero3")
+        for batch in data[:3]:
+            await dist.step(split_batch(batch, comm.rank, 4))
+        await save_checkpoint(dist, ckpt)
+        for batch in data[3:]:
+            await dist.step(split_batch(batch, comm.rank, 4))
+        full = await dist.full_parameters()
+        return np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
+
+    continued = (await run_world(train4, 4, "memory"))[0]
+
+    async def resume(comm: Communicator, strategy: str) -> tuple[np.ndarray, np.ndarray]:
+        model = MLP(SIZES, seed=99)
+        dist = as_distributed(model, comm, Adam(lr=0.01), strategy=strategy)
+        await load_checkpoint(dist, ckpt)
+        full = await dist.full_parameters()
+        at_save = np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
+        for batch in data[3:]:
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+        full = await dist.full_parameters()
+        return at_save, np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
+
+    single = MLP(SIZES, seed=42)
+    loaded = load_parameters(ckpt, single)
+    flat_saved = flatten(single)
+    assert set(loaded) == {s.name for s in single.param_specs()}
+    for strategy in ("zero3", "ddp"):
+        for at_save, after in await run_world(lambda c, s=strategy: resume(c, s), 2, "memory"):
+            np.testing.assert_array_equal(at_save, flat_saved)
+            # the optimizer state came along: two more steps match the 4-rank run
+            np.testing.assert_allclose(after, continued, rtol=1e-9)
+
+
+async def test_checkpoint_rejects_another_model(tmp_path: Path) -> None:
+    async def save(comm: Communicator) -> None:
+        await save_checkpoint(as_distributed(MLP(SIZES), comm, SGD(lr=0.1)), tmp_path)
+
+    await run_world(save, 2, "memory")
+
+    async def load(comm: Communicator) -> None:
+        with pytest.raises(ValueError, match="do not match"):
+            await load_checkpoint(as_distributed(MLP([5, 6, 3]), comm, SGD(lr=0.1)), tmp_path)
+
+    await run_world(load, 2, "memory")
+
+
+async def test_early_stop_consensus() -> None:
+    async def rank(comm: Communicator) -> list[bool]:
+        dist = as_distributed(MLP(SIZES), comm, SGD(lr=0.1))
+        return [await dist.should_stop(comm.rank == 2 and i == 1) for i in range(3)]
+
+    assert await run_world(rank, 3, "tcp") == [[False, True, False]] * 3
+
+
+async def test_optimizer_counterpart_and_errors() -> None:
+    async def rank(comm: Communicator) -> None:
+        dist = as_distributed(MLP(SIZES), comm, strategy="zero2")
+        with pytest.raises(RuntimeError, match="no optimizer"):
+            await dist.optimizer_step()
+        opt = as_distributed_optimizer(Adam(lr=0.01), dist)
+        batch = split_batch(batches(1)[0], comm.rank, comm.world_size)
+        await dist.forward_backward(batch)
+        await opt.step()
+        opt.lr = 0.5
+        assert dist.lr == 0.5
+        with pytest.raises(ValueError, match="strategy"):
+            as_distributed(MLP(SIZES), comm, strategy="zero4")
+        with pytest.raises(ValueError, match="preset"):
+            as_distributed(MLP(SIZES), comm, preset="dialup")
+
+    await run_world(rank, 2, "memory")
+
+
+async def test_mixed_dtypes_are_refused() -> None:
+    model = MLP(SIZES)
+    specs = model.param_specs()
+    odd = [specs[0].__class__(name=s.name, shape=s.shape, dtype=np.dtype(np.float32)
+                              if i == 0 else s.dtype, unit=s.unit) for i, s in enumerate(specs)]
+    with pytest.raises(TypeError, match="one dtype"):
+        FlatLayout(odd, 2, 0)
+
+
+async def test_a_failing_rank_fails_every_rank() -> None:
+    async def rank(comm: Communicator) -> None:
+        dist = as_distributed(MLP(SIZES), comm, SGD(lr=0.1), strategy="zero3")
+        batch = split_batch(batches(1)[0], comm.rank, comm.world_size)
+        await dist.step(batch)
+        if comm.rank == 1:
+            raise RuntimeError("boom")
+        await asyncio.sleep(0.05)
+        await dist.step(batch)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        await run_world(rank, 3, "tcp", timeout=5)
+
+
+def torch_net(seed: int) -> Any:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(SIZES[0], 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 4), torch.nn.ReLU(),
+                               torch.nn.Linear(4, SIZES[-1])).double()
+
+
+TORCH_OPTIMIZERS = {"sgd": ("SGD", {"lr": 0.05, "momentum": 0.9}),
+                    "adam": ("Adam", {"lr": 0.01})}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("opt", list(TORCH_OPTIMIZERS))
+async def test_torch_model_equivalent_to_plain_torch(backend: str, world_size: int,
+                                                     strategy: str, opt: str) -> None:
+    """TorchModel under every strategy == torch.optim on the whole batch in one process."""
+    torch = pytest.importorskip("torch")
+    from asynccoll.parallel import TorchModel
+
+    name, hyper = TORCH_OPTIMIZERS[opt]
+    net = torch_net(0)
+    ref_opt = getattr(torch.optim, name)(net.parameters(), **hyper)
+    data = batches(8)
+    for x, y in data:
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        ref_opt.step()
+    want = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy()
+
+    async def rank(comm: Communicator) -> np.ndarray:
+        with TorchModel(torch_net(0 if comm.rank == 0 else comm.rank + 10),
+                        torch.nn.functional.mse_loss) as model:
+            dist = as_distributed(model, comm, {"sgd": SGD, "adam": Adam}[opt](**hyper),
+                                  strategy=strategy)
+            for batch in data:
+                await dist.step(split_batch(batch, comm.rank, comm.world_size))
+            full = await dist.full_parameters()
+            return np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
+
+    for got in await run_world(rank, world_size, backend):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+
+
+async def test_models_that_differ_fail_on_every_rank() -> None:
+    async def rank(comm: Communicator) -> None:
+        model = MLP(SIZES if comm.rank == 0 else [5, 8, 3])
+        await as_distributed(model, comm, SGD(lr=0.1)).start()
+
+    with pytest.raises(CollectiveError):
+        await run_world(rank, 2, "memory")
