@@ -29,6 +29,7 @@ from asynccoll.parallel import (
     save_checkpoint,
     split_batch,
 )
+from asynccoll.parallel.compression import NoCompression
 from asynccoll.parallel.model import Model
 
 SIZES = [5, 7, 4, 3]          # layer sizes that never divide evenly over 2, 3 or 4 ranks
@@ -88,8 +89,9 @@ async def test_equivalent_to_one_process(backend: str, world_size: int, strategy
     assert all(np.array_equal(got[0], g) for g in got), "ranks disagree"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-async def test_no_sync_accumulates_then_exchanges_once(strategy: str) -> None:
+async def test_no_sync_accumulates_then_exchanges_once(backend: str, strategy: str) -> None:
     """Two half-batches under no_sync + one outside == one step on the sum of gradients."""
     want = await reference(SGD(lr=0.05), steps=3)
 
@@ -109,7 +111,7 @@ async def test_no_sync_accumulates_then_exchanges_once(strategy: str) -> None:
             await dist.optimizer_step()
         return flatten(model), max(sent)
 
-    for params, sent in await run_world(rank, 2, "memory"):
+    for params, sent in await run_world(rank, 2, backend):
         np.testing.assert_allclose(params, want, rtol=1e-10)
         assert sent == 0, "a pass under no_sync communicated"
 
@@ -204,7 +206,9 @@ async def test_compression_needs_an_all_reduce_strategy() -> None:
     await run_world(rank, 2, "memory")
 
 
-async def test_zero3_checkpoint_reshards_to_2_ranks_and_1_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_zero3_checkpoint_reshards_to_2_ranks_and_1_process(backend: str,
+                                                                  tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     data = batches(5)
 
@@ -219,7 +223,7 @@ async def test_zero3_checkpoint_reshards_to_2_ranks_and_1_process(tmp_path: Path
         full = await dist.full_parameters()
         return np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
 
-    continued = (await run_world(train4, 4, "memory"))[0]
+    continued = (await run_world(train4, 4, backend))[0]
 
     async def resume(comm: Communicator, strategy: str) -> tuple[np.ndarray, np.ndarray]:
         model = MLP(SIZES, seed=99)
@@ -237,7 +241,7 @@ async def test_zero3_checkpoint_reshards_to_2_ranks_and_1_process(tmp_path: Path
     flat_saved = flatten(single)
     assert set(loaded) == {s.name for s in single.param_specs()}
     for strategy in ("zero3", "ddp"):
-        for at_save, after in await run_world(lambda c, s=strategy: resume(c, s), 2, "memory"):
+        for at_save, after in await run_world(lambda c, s=strategy: resume(c, s), 2, backend):
             np.testing.assert_array_equal(at_save, flat_saved)
             # the optimizer state came along: two more steps match the 4-rank run
             np.testing.assert_allclose(after, continued, rtol=1e-9)
@@ -359,3 +363,61 @@ async def test_models_that_differ_fail_on_every_rank() -> None:
 
     with pytest.raises(CollectiveError):
         await run_world(rank, 2, "memory")
+
+
+class _Recorder(NoCompression):
+    """Averages like NoCompression, and logs when each bucket's exchange starts."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    async def all_reduce_mean(self, comm: Communicator, grad: np.ndarray, key: Any) -> None:
+        self.log.append(f"exchange {key}")
+        await super().all_reduce_mean(comm, grad, key)
+        self.log.append(f"exchanged {key}")
+
+
+class _LoggingHooks:
+    def __init__(self, inner: Any, log: list[str]) -> None:
+        self.inner, self.log = inner, log
+
+    async def before_forward(self, unit: int) -> None:
+        await self.inner.before_forward(unit)
+
+    async def after_forward(self, unit: int) -> None:
+        await self.inner.after_forward(unit)
+
+    async def before_backward(self, unit: int) -> None:
+        self.log.append(f"backward {unit}")
+        await self.inner.before_backward(unit)
+
+    async def after_backward(self, unit: int) -> None:
+        await self.inner.after_backward(unit)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_ddp_buckets_travel_while_backward_goes_on(backend: str) -> None:
+    """With one bucket per layer, the last layer's gradients are on the wire before the
+    backward pass has reached the first layer (and, in memory, have arrived)."""
+
+    class Logged(MLP):
+        log: list[str]
+
+        async def forward_backward(self, batch: Any, hooks: Any = None) -> float:
+            return await super().forward_backward(batch, _LoggingHooks(hooks, self.log))
+
+    async def rank(comm: Communicator) -> list[str]:
+        log: list[str] = []
+        model = Logged([5, 64, 64, 64, 3])
+        model.log = log
+        dist = as_distributed(model, comm, SGD(lr=0.1), bucket_bytes=1,
+                              compression=_Recorder(log))
+        rng = np.random.default_rng(comm.rank)
+        await dist.step((rng.standard_normal((8, 5)), rng.standard_normal((8, 3))))
+        return log
+
+    for log in await run_world(rank, 2, backend):
+        assert log.index("exchange 3") < log.index("backward 2") < log.index("backward 0"), log
+        if backend == "memory":     # over TCP, arriving takes more loop turns than are left
+            assert log.index("exchanged 3") < log.index("backward 0"), log
