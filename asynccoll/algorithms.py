@@ -7,7 +7,9 @@ The algorithms:
 =================  ==========================================  ===============================
 collective         small messages (latency)                    large messages (bandwidth)
 =================  ==========================================  ===============================
-all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather
+all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather;
+                                                               direct (each rank reduces its
+                                                               block from all) in process
 reduce             binomial tree                               ring reduce-scatter + gather
 reduce_scatter     direct (one round)                          ring
 all_gather         direct (one round, W <= 4 by default)       ring
@@ -18,8 +20,9 @@ barrier            dissemination                               -
 =================  ==========================================  ===============================
 
 Thresholds live in :mod:`asynccoll.tuning`. Algorithms talk to peers only through
-:class:`Call` (post, send, post_recv, recv, exchange), so every backend runs exactly this
-code.
+:class:`Call` (post, send, post_recv, recv, exchange, compute_and_post), so every backend runs
+exactly this code; where a backend differs, the algorithm reads its flags (``lends``: payloads
+can be read in place; ``polls``) rather than its type.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import CollectiveError
 from .ops import ReduceOp, combine, combine_ordered
-from .transport.base import Transport, describe_sig
+from .transport.base import Key, Transport, Work, compute_and_post_inline, describe_sig
 from .tuning import Tuning
 from .wire import Frame, FrameKind, array_view, dtype_code, encode_data_head
 
@@ -85,6 +89,12 @@ class Call:
         self.tuning = tuning
         self.poll = tuning.poll_us * 1e-6 if transport.polls else 0.0
 
+    def frame(self, peer: int, step: int, arr: np.ndarray) -> tuple[int, bytes, memoryview]:
+        """``(dst, head, payload)`` of the frame sending ``arr`` as ``step`` to ``peer``."""
+        head = encode_data_head(FrameKind.DATA, self.group, self.seq, step, 0, self.src,
+                                dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
+        return self.ranks[peer], head, bytes_view(arr)
+
     def post(self, peer: int, step: int, arr: np.ndarray) -> asyncio.Future[None] | None:
         """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
         head = encode_data_head(FrameKind.DATA, self.group, self.seq, step, 0, self.src,
@@ -97,11 +107,18 @@ class Call:
             await pending
             self.t.check_sendable()
 
-    def post_recv(self, peer: int, step: int, into: np.ndarray | None = None) -> Recv:
-        """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later."""
+    def post_recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
+                  borrow: bool = False) -> Recv:
+        """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later.
+
+        ``borrow``: the data is only read, and :meth:`Recv.release` is called once it was;
+        a transport that :attr:`~Transport.lends` then hands over the sender's memory
+        instead of filling ``into`` (see :meth:`Recv.get`).
+        """
         key = (self.ranks[peer], int(FrameKind.DATA), self.group, self.seq, step, 0)
         view = bytes_view(into) if into is not None else None
-        return Recv(self, peer, into, view, self.t.post_recv(key, view, self.sig))
+        return Recv(self, peer, into, view, self.t.post_recv(key, view, self.sig, borrow),
+                    key if borrow else None)
 
     async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
                    resize: bool = False) -> np.ndarray:
@@ -118,25 +135,57 @@ class Call:
             self.t.check_sendable()
         return got
 
+    def reducer(self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp
+                ) -> Callable[[int, int], None]:
+        """``fn(lo, hi)`` computing bytes ``[lo, hi)`` of ``dst = dst op srcs[0] op
+        srcs[1] ...`` in place, a cache-sized chunk at a time (each chunk of ``dst`` stays in
+        cache while every source is combined into it); see Transport.compute_and_post."""
+        size = dst.itemsize
+        chunk = max(1, self.tuning.reduce_chunk_bytes // size)
+
+        def run(lo: int, hi: int) -> None:
+            for a in range(lo // size, hi // size, chunk):
+                b = min(hi // size, a + chunk)
+                d = dst[a:b]
+                for src in srcs:
+                    combine(d, src[a:b], op)
+
+        return run
+
+    async def compute_and_post(self, work: Sequence[Work], nbytes: int, itemsize: int
+                               ) -> list[asyncio.Future[None] | None]:
+        """Transport.compute_and_post for ``nbytes`` of work in all, inline when small."""
+        if nbytes < self.tuning.offload_bytes:
+            return compute_and_post_inline(self.t, work)
+        chunk = max(itemsize, self.tuning.reduce_chunk_bytes // itemsize * itemsize)
+        return await self.t.compute_and_post(work, chunk)
+
 
 class Recv:
     """A posted receive."""
 
-    __slots__ = ("call", "fut", "into", "peer", "view")
+    __slots__ = ("borrowed", "call", "fut", "into", "peer", "view")
 
     def __init__(self, call: Call, peer: int, into: np.ndarray | None, view: memoryview | None,
-                 fut: asyncio.Future[Frame]) -> None:
+                 fut: asyncio.Future[Frame], borrowed: Key | None = None) -> None:
         self.call = call
         self.peer = peer
         self.into = into
         self.view = view
         self.fut = fut
+        self.borrowed = borrowed
+
+    def release(self) -> None:
+        """Done reading a borrowed receive's data (no-op for other receives)."""
+        if self.borrowed is not None:
+            self.call.t.release(self.borrowed)
 
     async def get(self, *, resize: bool = False) -> np.ndarray:
         """The received array: ``into`` when the data landed there.
 
         With ``resize``, a sender's array of another shape comes back as a new array;
-        without, it is an error.
+        without, it is an error. A borrowing receive may return the sender's memory (of
+        ``into``'s shape), valid until :meth:`release`.
         """
         fut = self.fut
         if not fut.done() and self.call.poll and (
@@ -162,6 +211,10 @@ class Recv:
             landed = frame.payload is self.view
             if landed and (not resize or h.shape == into.shape):
                 return into
+            if self.borrowed is not None and h.shape == into.shape:
+                lent = array_view(frame.payload, h.dtype, h.shape)
+                lent.flags.writeable = False  # the sender's memory (or a private copy)
+                return lent
             if not resize:
                 raise CollectiveError(f"group rank {self.peer} sent {h.shape} where "
                                       f"{into.shape} was expected")
@@ -195,6 +248,25 @@ async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None
             combine_ordered(flat, got, flat, op)
     if r < extra:
         await call.send(r + p, rounds + 1, flat)
+
+
+#: bytes :func:`copy_polling` copies between two turns of the event loop
+COPY_CHUNK_BYTES = 1 << 20
+
+
+async def copy_polling(call: Call, dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` while transfers are in flight. On a transport that polls, a large
+    copy goes a chunk at a time with a turn of the event loop after each, so the sockets keep
+    moving data in and out instead of stalling for the whole copy (a 32 MiB copy takes ~2 ms;
+    the peer then sits idle for as long, waiting for this rank to read or write)."""
+    if not call.poll or src.nbytes <= COPY_CHUNK_BYTES or src.shape != dst.shape:
+        dst[...] = src
+        return
+    d, s = dst.reshape(-1), src.reshape(-1)
+    step = max(1, COPY_CHUNK_BYTES // max(1, s.itemsize))
+    for a in range(0, s.size, step):
+        d[a:a + step] = s[a:a + step]
+        await asyncio.sleep(0)
 
 
 def segments(start: int, stop: int, nseg: int) -> list[tuple[int, int]]:
@@ -238,7 +310,10 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     first = (r - 1) % w if reduce_steps else r
     pending = [call.post(right, k, flat[a:b])
                for k, (a, b) in enumerate(segments(*bounds[first], nseg))]
-    posted = [[call.post_recv(left, s * nseg + k, t) for k, t in enumerate(targets(s))]
+    # in place, partial sums are only read (added into flat): a lending transport can hand
+    # over the left neighbour's memory instead of copying it into scratch
+    posted = [[call.post_recv(left, s * nseg + k, t, borrow=inplace and s < reduce_steps)
+               for k, t in enumerate(targets(s))]
               for s in range(total)]
     ready = flat[:0]
     for s in range(total):
@@ -249,6 +324,7 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
                 assert op is not None
                 if inplace:
                     combine(flat[a:b], got, op)
+                    posted[s][k].release()
                     ready = flat[a:b]
                 else:
                     combine(got, flat[a:b], op)
@@ -263,6 +339,52 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     start, stop = bounds[r]
     base = (reduce_steps - 1) * width
     return scratch[base:base + stop - start]
+
+
+async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
+    """All-reduce in place: every rank reduces its own block, then sends it to every rank.
+
+    Rank ``j`` receives block ``j`` of every other rank, combines them with its own, a
+    segment at a time (each chunk summed over all ranks while it is in cache), and sends
+    each reduced segment straight on to every other rank. The bytes on the wire are the
+    ring's; the difference is the number of peers at once (W-1 instead of 2). It is the
+    algorithm for transports that :attr:`~Transport.lends`: the reduce-scatter half reads
+    the peers' arrays in place (no copy), and the all-gather half copies each chunk while
+    it is still in cache (about 8 array sizes of memory traffic for 4 ranks, against ~15
+    for the ring); the whole block is then one segment (one frame per peer and direction,
+    one worker job). A single rank computes each block, so every rank ends bit-identical.
+    """
+    w, r = call.size, call.rank
+    bounds = row_bounds(flat.size, 1, w)
+    width = max(stop - start for start, stop in bounds)
+    seg = max(1, call.tuning.direct_segment_bytes // max(1, flat.itemsize))
+    # segments pipeline a network transfer; in one process everything is there at once
+    nseg = 1 if call.t.lends else min(MAX_SEGMENTS, max(1, -(-width // seg)))
+    peers = [(r + d) % w for d in range(1, w)]
+    start, stop = bounds[r]
+    mine = segments(start, stop, nseg)
+    # the peers' parts of my block land in scratch, unless the transport lends them (then
+    # scratch is never touched and costs only address space)
+    scratch = np.empty((w - 1) * (stop - start), flat.dtype)
+    base = [i * (stop - start) - start for i in range(w - 1)]
+    incoming = [[call.post_recv(j, k, scratch[base[i] + a:base[i] + b], borrow=True)
+                 for k, (a, b) in enumerate(mine)] for i, j in enumerate(peers)]
+    gathered = [call.post_recv(j, nseg + k, flat[a:b])
+                for j in peers for k, (a, b) in enumerate(segments(*bounds[j], nseg))]
+    theirs = {j: segments(*bounds[j], nseg) for j in peers}
+    pending = [call.post(j, k, flat[theirs[j][k][0]:theirs[j][k][1]])
+               for k in range(nseg) for j in peers]
+    for k, (a, b) in enumerate(mine):
+        got = [await seg_recv[k].get() for seg_recv in incoming]
+        work = [(call.reducer(flat[a:b], got, op), (b - a) * flat.itemsize,
+                 [call.frame(j, nseg + k, flat[a:b]) for j in peers])]
+        pending.extend(await call.compute_and_post(work, (b - a) * flat.itemsize,
+                                                   flat.itemsize))
+        for seg_recv in incoming:
+            seg_recv[k].release()
+    for rcv in gathered:
+        await rcv.get()
+    await settle(pending)
 
 
 async def ring_reduce_scatter(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]],
@@ -282,7 +404,7 @@ async def ring_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarray
     left, right = (r - 1) % w, (r + 1) % w
     even = True
     pending = [call.post(right, step0, mine)]
-    blocks[r][...] = mine  # while the first block travels
+    await copy_polling(call, blocks[r], mine)  # while the first block travels
     for s in range(w - 1):
         idx = (r - s - 1) % w
         got = await call.recv(left, step0 + s, blocks[idx], resize=True)
@@ -300,7 +422,7 @@ async def direct_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarr
     peers = [j for j in range(w) if j != r]
     posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
     pending = [call.post(j, 0, mine) for j in peers]
-    blocks[r][...] = mine  # while the others' blocks travel
+    await copy_polling(call, blocks[r], mine)  # while the others' blocks travel
     even = True
     for j, rcv in zip(peers, posted, strict=True):
         got = await rcv.get(resize=True)
@@ -408,16 +530,33 @@ MAX_SEGMENTS = 64
 AGREE_STEP = 0xFFFF0000
 
 
+def begin_barrier(call: Call, step0: int = 0) -> tuple[asyncio.Future[None] | None, Recv]:
+    """Post round 0 of a dissemination barrier of 2 or more ranks now (see
+    :func:`dissemination_barrier`)."""
+    w, r = call.size, call.rank
+    rcv = call.post_recv((r - 1) % w, step0)
+    return call.post((r + 1) % w, step0, np.empty(0, np.uint8)), rcv
+
+
+async def end_barrier(call: Call, step0: int,
+                      first: tuple[asyncio.Future[None] | None, Recv]) -> None:
+    """The rest of a dissemination barrier whose round 0 :func:`begin_barrier` posted."""
+    w, r = call.size, call.rank
+    pending, rcv = first
+    await rcv.get()
+    await settle([pending])
+    token = np.empty(0, np.uint8)
+    k, dist = 1, 2
+    while dist < w:
+        await call.exchange((r + dist) % w, token, (r - dist) % w, None, step0 + k)
+        k, dist = k + 1, dist * 2
+
+
 async def dissemination_barrier(call: Call, step0: int = 0) -> None:
     """ceil(log2 W) rounds; round k sends to rank+2^k and receives from rank-2^k.
 
     Each round starts after the previous one's frame was received and its signature checked,
     so a rank that finishes has (transitively) checked every rank's signature.
     """
-    w, r = call.size, call.rank
-    token = np.empty(0, np.uint8)
-    k, dist = 0, 1
-    while dist < w:
-        await call.exchange((r + dist) % w, token, (r - dist) % w, None, step0 + k)
-        k, dist = k + 1, dist * 2
-
+    if call.size > 1:
+        await end_barrier(call, step0, begin_barrier(call, step0))

@@ -26,19 +26,36 @@ async def _memory_world(world_size: int, *, timeout: float, tuning: Tuning | Non
             for t in world.transports]
 
 
+def _staged(comms: list[Communicator], gpu_staging: bool) -> list[Communicator]:
+    """With ``gpu_staging``, communicators that also take CuPy arrays (through pinned host
+    memory, :class:`asynccoll.gpu.HostStaged`)."""
+    if not gpu_staging:
+        return comms
+    from .gpu import HostStaged
+
+    return [HostStaged(c) for c in comms]
+
+
 async def local_world(world_size: int, backend: str = "memory", *, timeout: float = 60.0,
                       tuning: Tuning | None = None, **options: Any) -> list[Communicator]:
-    """Communicators for ``world_size`` ranks living in this event loop (one per rank)."""
+    """Communicators for ``world_size`` ranks living in this event loop (one per rank).
+
+    Option ``gpu_staging=True`` (memory and tcp): the communicators also take CuPy arrays,
+    staged through pinned host memory.
+    """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    gpu_staging = bool(options.pop("gpu_staging", False))
     if backend == "memory":
         if options:
             raise TypeError(f"unexpected options for the memory backend: {sorted(options)}")
-        return await _memory_world(world_size, timeout=timeout, tuning=tuning)
+        return _staged(await _memory_world(world_size, timeout=timeout, tuning=tuning),
+                       gpu_staging)
     if backend == "tcp":
         from .transport.tcp import tcp_local_world
 
-        return await tcp_local_world(world_size, timeout=timeout, tuning=tuning, **options)
+        return _staged(await tcp_local_world(world_size, timeout=timeout, tuning=tuning,
+                                             **options), gpu_staging)
     if backend in BACKENDS:
         raise ValueError(f"backend {backend!r} cannot run several ranks in one event loop; "
                          f"use 'memory' or 'tcp'")
@@ -100,16 +117,39 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
     Arguments left ``None`` are read from the environment (``ASYNCCOLL_RANK``/``RANK``,
     ``ASYNCCOLL_WORLD_SIZE``/``WORLD_SIZE``, ``ASYNCCOLL_ADDR``/``MASTER_ADDR``,
     ``ASYNCCOLL_PORT``/``MASTER_PORT``, ``ASYNCCOLL_TOKEN``).
+
+    Backends:
+        ``"tcp"``: the rendezvous and a ring of TCP connections. Option ``gpu_staging=True``:
+        also take CuPy arrays, staged through pinned host memory.
+        ``"mpi"``: mpi4py under ``mpirun``/``mpiexec``; rank and size come from MPI (``addr``,
+        ``port`` and ``token`` do not apply). Options: ``comm`` (an mpi4py communicator,
+        default ``COMM_WORLD``), ``check_signatures`` (default ``True``).
+        ``"nccl"``: CuPy arrays through NCCL, bootstrapped over the TCP world (same arguments
+        and environment as ``"tcp"``). Options: ``device`` (CUDA device id, default the local
+        rank), ``check_signatures`` (default ``True``), and the TCP options.
     """
     if backend == "tcp":
         from .transport.tcp import tcp_init
 
-        return await tcp_init(rank=rank, world_size=world_size, addr=addr, port=port,
+        gpu_staging = bool(options.pop("gpu_staging", False))
+        comm = await tcp_init(rank=rank, world_size=world_size, addr=addr, port=port,
                               timeout=timeout, token=token, tuning=tuning, **options)
+        return _staged([comm], gpu_staging)[0]
     if backend == "memory":
         raise ValueError("the memory backend runs all ranks in one event loop: "
                          "use asynccoll.run_local(fn, world_size)")
-    if backend in ("nccl", "mpi"):
-        raise NotImplementedError(f"the {backend!r} backend is not available in this version "
-                                  f"yet; use 'tcp' (processes) or run_local (one process)")
+    if backend == "mpi":
+        given = [n for n, v in (("addr", addr), ("port", port), ("token", token)) if v is not None]
+        if given:
+            raise ValueError(f"the mpi backend takes its world from MPI (mpirun/mpiexec); "
+                             f"{', '.join(given)} do not apply to it")
+        from .transport.mpi import mpi_init
+
+        return await mpi_init(rank=rank, world_size=world_size, timeout=timeout, tuning=tuning,
+                              **options)
+    if backend == "nccl":
+        from .transport.nccl import nccl_init
+
+        return await nccl_init(rank=rank, world_size=world_size, addr=addr, port=port,
+                               timeout=timeout, token=token, tuning=tuning, **options)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")

@@ -36,8 +36,14 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 class _Launcher:
     def __init__(self, n: int, command: list[str], *, addr: str, port: int, token: str,
-                 bind: str) -> None:
+                 bind: str, elastic: tuple[int, int] | None = None,
+                 max_restarts: int = 0) -> None:
         self.n = n
+        #: (min_nodes, max_nodes) in elastic mode: a failed rank does not stop the others
+        self.elastic = elastic
+        self.restarts_left = max_restarts
+        self.succeeded = 0
+        self.watchers: list[asyncio.Future[None]] = []
         self.command = command
         self.addr = addr
         self.port = port
@@ -64,7 +70,20 @@ class _Launcher:
         # as torchrun does, unless the user chose
         if not any(v in os.environ for v in THREAD_VARS):
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.n))
+        if self.elastic is not None:
+            env["ASYNCCOLL_ELASTIC"] = "1"
+            env["ASYNCCOLL_MIN_NODES"] = str(self.elastic[0])
+            env["ASYNCCOLL_MAX_NODES"] = str(self.elastic[1])
         return env
+
+    async def spawn(self, rank: int, rdv_port: int) -> None:
+        """Start the process labelled ``rank`` and watch it."""
+        proc = await asyncio.create_subprocess_exec(
+            *self.command, env=self.env(rank, rdv_port), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, limit=1 << 20)
+        self.procs.append(proc)
+        self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, rdv_port)))
 
     async def _pump(self, rank: int, stream: asyncio.StreamReader, out: Any) -> None:
         prefix = f"[{rank}] ".encode()
@@ -78,12 +97,26 @@ class _Launcher:
             out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.buffer.flush()
 
-    async def _watch(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+    async def _watch(self, rank: int, proc: asyncio.subprocess.Process, rdv_port: int) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         await asyncio.gather(self._pump(rank, proc.stdout, sys.stdout),
                              self._pump(rank, proc.stderr, sys.stderr))
         code = await proc.wait()
-        if code != 0 and self.first_failure is None and not self.stopping:
+        if code == 0:
+            self.succeeded += 1
+        elif self.elastic is not None and not self.stopping:
+            # elastic: the others re-form without it; a replacement joins if restarts are left
+            log.warning("rank %d exited with %s; the others go on", rank, code)
+            if self.restarts_left > 0:
+                self.restarts_left -= 1
+                label = len(self.procs)
+                sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
+                                 f"starting a replacement as [{label}]\n")
+                await self.spawn(label, rdv_port)
+            else:
+                sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
+                                 f"the others go on\n")
+        elif code != 0 and self.first_failure is None and not self.stopping:
             self.first_failure = (rank, code)
             log.warning("rank %d exited with %s; stopping the other ranks", rank, code)
             sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
@@ -125,16 +158,12 @@ class _Launcher:
                 loop.add_signal_handler(sig, on_interrupt)
         try:
             for rank in range(self.n):
-                proc = await asyncio.create_subprocess_exec(
-                    *self.command, env=self.env(rank, server.port),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True, limit=1 << 20)
-                self.procs.append(proc)
-            watchers = [asyncio.ensure_future(self._watch(r, p)) for r, p in enumerate(self.procs)]
+                await self.spawn(rank, server.port)
             interrupt = asyncio.ensure_future(interrupted.wait())
-            while not interrupt.done() and not all(w.done() for w in watchers):
-                await asyncio.wait([*watchers, interrupt], return_when=asyncio.FIRST_COMPLETED)
+            # (the list grows when an elastic run starts a replacement)
+            while not interrupt.done() and not all(w.done() for w in self.watchers):
+                waiting: list[asyncio.Future[Any]] = [*self.watchers, interrupt]
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if interrupt.done():
                 sys.stderr.write("asynccoll run: interrupted; stopping the ranks\n")
                 try:
@@ -142,14 +171,20 @@ class _Launcher:
                         await asyncio.gather(*(p.wait() for p in self.procs))
                 except TimeoutError:
                     await self.stop(signal.SIGKILL)
-                await asyncio.gather(*watchers, return_exceptions=True)
+                await asyncio.gather(*self.watchers, return_exceptions=True)
                 return 130
             interrupt.cancel()
-            await asyncio.gather(*watchers)
+            await asyncio.gather(*self.watchers)
         finally:
             if any(p.returncode is None for p in self.procs):
                 await self.stop()
             await server.close()
+        if self.elastic is not None:
+            if self.succeeded < self.elastic[0]:
+                sys.stderr.write(f"asynccoll run: only {self.succeeded} processes succeeded, "
+                                 f"fewer than --min-nodes {self.elastic[0]}\n")
+                return 1
+            return 0
         if self.first_failure is not None:
             code = self.first_failure[1]
             return code if code > 0 else 128 - code
@@ -168,8 +203,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         command = [sys.executable, *args.script]
     token = args.token or os.environ.get("ASYNCCOLL_TOKEN") or secrets.token_hex(16)
+    elastic = None
+    if args.elastic or args.min_nodes is not None or args.max_nodes is not None:
+        lo = args.min_nodes if args.min_nodes is not None else 1
+        hi = args.max_nodes if args.max_nodes is not None else max(args.n, lo)
+        if not 1 <= lo <= hi or args.n > hi:
+            sys.stderr.write(f"asynccoll run: need 1 <= --min-nodes ({lo}) <= --max-nodes "
+                             f"({hi}) and -n ({args.n}) <= --max-nodes\n")
+            return 2
+        elastic = (lo, hi)
+    elif args.max_restarts:
+        sys.stderr.write("asynccoll run: --max-restarts needs --elastic\n")
+        return 2
     launcher = _Launcher(args.n, command, addr=args.addr, port=args.port, token=token,
-                         bind=args.bind or args.addr)
+                         bind=args.bind or args.addr, elastic=elastic,
+                         max_restarts=args.max_restarts)
     return int(_run_loop(launcher.main()))
 
 
@@ -219,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bind", default=None, help="address the rendezvous binds (default --addr)")
     run.add_argument("--token", default=None,
                      help="shared secret (default: $ASYNCCOLL_TOKEN or a fresh random one)")
+    run.add_argument("--elastic", action="store_true",
+                     help="elastic job: a failed rank does not stop the others, which re-form "
+                          "(see asynccoll.elastic); implied by --min-nodes/--max-nodes")
+    run.add_argument("--min-nodes", type=int, default=None,
+                     help="elastic: fewest processes a generation forms with (default 1)")
+    run.add_argument("--max-nodes", type=int, default=None,
+                     help="elastic: most processes in a generation (default -n)")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="elastic: start a replacement for a failed rank, this many times")
     run.add_argument("-m", dest="module", action="store_true",
                      help="run a module (like python -m) instead of a script")
     run.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...]")

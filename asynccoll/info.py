@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import platform
+import shutil
 import sys
 
 from ._version import __version__
@@ -21,27 +22,45 @@ def _probe(module: str) -> tuple[str | None, str | None]:
 def _nccl() -> str:
     version, why = _probe("cupy")
     if version is None:
-        return f"unavailable (CuPy not importable: {why}; pip install 'asynccoll[gpu]')"
+        return (f"unavailable: CuPy not importable ({why}); the nccl backend needs CuPy with "
+                f"a CUDA GPU: pip install 'asynccoll[gpu]'")
     try:
         import cupy
         from cupy.cuda import nccl
-
+    except Exception as exc:  # CuPy without its NCCL bindings
+        return f"unavailable: CuPy {version} has no NCCL bindings ({type(exc).__name__}: {exc})"
+    if not getattr(nccl, "available", True):
+        return f"unavailable: CuPy {version} was built without NCCL"
+    try:
         count = cupy.cuda.runtime.getDeviceCount()
-        return f"available (CuPy {version}, NCCL {nccl.get_version()}, {count} GPU(s))"
-    except Exception as exc:
-        return f"unavailable (CuPy {version} but no usable GPU/NCCL: {exc})"
+        nccl_version = nccl.get_version()
+    except Exception as exc:  # no driver, no device
+        return f"unavailable: CuPy {version} but no usable CUDA GPU ({type(exc).__name__}: {exc})"
+    if count < 1:
+        return f"unavailable: CuPy {version}, NCCL {nccl_version}, but no CUDA GPU visible"
+    return f"available (CuPy {version}, NCCL {nccl_version}, {count} GPU(s))"
 
 
 def _mpi() -> str:
     version, why = _probe("mpi4py")
     if version is None:
-        return f"unavailable (mpi4py not importable: {why}; pip install 'asynccoll[mpi]')"
+        return (f"unavailable: mpi4py not importable ({why}); pip install 'asynccoll[mpi]' "
+                f"and an MPI library (e.g. apt-get install openmpi-bin libopenmpi-dev)")
     try:
+        import mpi4py
+
+        # report the library without initialising MPI in this process
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
         from mpi4py import MPI
 
-        return f"available (mpi4py {version}, {MPI.Get_library_version().splitlines()[0]})"
-    except Exception as exc:
-        return f"unavailable (mpi4py {version} but no MPI runtime: {exc})"
+        library = MPI.Get_library_version().splitlines()[0].strip()
+    except Exception as exc:  # mpi4py present but libmpi missing or broken
+        return (f"unavailable: mpi4py {version} but no usable MPI library "
+                f"({type(exc).__name__}: {exc})")
+    launcher = shutil.which("mpirun") or shutil.which("mpiexec")
+    where = f"launcher {launcher}" if launcher else "no mpirun/mpiexec on PATH"
+    return f"available (mpi4py {version}, {library}; {where})"
 
 
 def report() -> str:
@@ -59,7 +78,7 @@ def report() -> str:
         "backends:",
         "  memory  available",
         "  tcp     available" + (" (uvloop)" if uvloop_v else " (asyncio event loop)"),
-        f"  nccl    not implemented yet; runtime: {_nccl()}",
-        f"  mpi     not implemented yet; runtime: {_mpi()}",
+        f"  nccl    {_nccl()}",
+        f"  mpi     {_mpi()}",
     ]
     return "\n".join(lines)

@@ -32,6 +32,18 @@ class Tuning:
         poll_max_bytes: with more ranks than cores, only receives of at most this many bytes
             poll: a large payload takes far longer to arrive than a wake-up, and polling for
             it burns a core another rank needs.
+        direct_all_reduce: when all_reduce above ``small_bytes`` uses the direct algorithm
+            (every rank reduces its own block from all others, then sends it to all) instead
+            of the ring: ``"lending"`` on transports that lend payloads in place (the
+            in-process memory backend, where it saves memory traffic), ``"always"`` or
+            ``"never"``.
+        direct_segment_bytes: segment size of the direct all_reduce over a network (each
+            segment is one frame per peer and one reduction; in process a block is one).
+        reduce_chunk_bytes: reductions of several arrays into one go a chunk of this many
+            bytes at a time, so that the chunk stays in cache while every array is added
+            (and, in process, while it is copied to the other ranks).
+        offload_bytes: reductions of at least this many bytes go through the transport's
+            ``compute_and_post`` (worker threads on the memory backend; inline elsewhere).
     """
 
     small_bytes: int = 64 * 1024
@@ -41,13 +53,26 @@ class Tuning:
     direct_all_gather_ranks: int = 4
     poll_us: int = 200
     poll_max_bytes: int = 64 * 1024
+    direct_all_reduce: str = "lending"
+    direct_segment_bytes: int = 1 << 20
+    reduce_chunk_bytes: int = 512 * 1024
+    offload_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
-        if self.segment_bytes < 1:
-            raise ValueError("segment_bytes must be >= 1")
+        for name in ("segment_bytes", "chain_segment_bytes", "direct_segment_bytes",
+                     "reduce_chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.direct_all_reduce not in ("lending", "always", "never"):
+            raise ValueError(f"direct_all_reduce must be 'lending', 'always' or 'never', "
+                             f"got {self.direct_all_reduce!r}")
 
-    def all_reduce(self, nbytes: int, world_size: int) -> str:
-        return "recursive_doubling" if nbytes <= self.small_bytes else "ring"
+    def all_reduce(self, nbytes: int, world_size: int, *, lends: bool = False) -> str:
+        """The algorithm; ``lends``: the transport lends payloads in place (memory)."""
+        if nbytes <= self.small_bytes:
+            return "recursive_doubling"
+        mode = self.direct_all_reduce
+        return "direct" if mode == "always" or (mode == "lending" and lends) else "ring"
 
     def reduce(self, nbytes: int, world_size: int) -> str:
         return "binomial" if nbytes <= self.small_bytes else "ring"
@@ -67,6 +92,9 @@ TREE = Tuning(small_bytes=1 << 62, chain_broadcast_bytes=1 << 62,
              direct_all_gather_ranks=1 << 30)
 #: Always the bandwidth-optimal algorithms, with tiny segments (for tests).
 RING = Tuning(small_bytes=-1, chain_broadcast_bytes=0, segment_bytes=64, chain_segment_bytes=64,
-              direct_all_gather_ranks=0)
+              direct_all_gather_ranks=0, direct_all_reduce="never")
+#: The direct all_reduce on every transport, with tiny segments and chunks (for tests).
+DIRECT = Tuning(small_bytes=-1, direct_all_reduce="always", direct_segment_bytes=64,
+                reduce_chunk_bytes=16, offload_bytes=64)
 
-__all__ = ["RING", "TREE", "Tuning"]
+__all__ = ["DIRECT", "RING", "TREE", "Tuning"]

@@ -2,6 +2,7 @@
 
     python benchmarks/compare.py                  # 2 and 4 ranks, the default ops and sizes
     python benchmarks/compare.py -n 2 --ops all_reduce --sizes 8,16M --json out.json
+    python benchmarks/compare.py -n 2 --ops all_gather,broadcast --sizes 1M,64M --rounds 5
 
 Each framework runs the same ops and sizes on this machine, one after the other (see
 ``benchmarks/workers.py`` for the timing method). Peers are optional: gloo needs
@@ -122,6 +123,18 @@ def available() -> dict[str, str | None]:
     return why
 
 
+def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (framework, op, ranks, size): the one of median time (rounds > 1)."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["framework"], r["op"], r["ranks"], r["size"]), []).append(r)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda r: r["time_us"])
+        out.append({**group[(len(group) - 1) // 2], "rounds": len(group)})
+    return out
+
+
 def fmt_size(n: int) -> str:
     for unit, m in (("M", 1 << 20), ("K", 1 << 10)):
         if n >= m and n % m == 0:
@@ -160,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default="gloo,mpi", help="comma-separated: gloo, mpi")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per framework run")
     p.add_argument("--json", metavar="FILE", help="also write every row as JSON")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the frameworks one after the other this many times, alternating, "
+                        "and report each figure's median over the rounds (on a shared, noisy "
+                        "machine this keeps a burst of load from landing on one framework only)")
     a = p.parse_args(argv)
     sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
     args = ["--ops", a.ops, "--sizes", sizes]
@@ -172,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
             peers.append(peer)
     rows: list[dict[str, Any]] = []
     for n in a.ranks:
-        rows += bench_asynccoll(n, args, a.timeout)
-        if "gloo" in peers:
-            rows += bench_gloo(n, args, a.timeout)
-        if "mpi" in peers:
-            rows += bench_mpi(n, args, a.timeout)
-    print(f"# {os.cpu_count()} CPUs, loopback TCP, float32, median per call, slowest rank")
+        for _ in range(a.rounds):
+            rows += bench_asynccoll(n, args, a.timeout)
+            if "gloo" in peers:
+                rows += bench_gloo(n, args, a.timeout)
+            if "mpi" in peers:
+                rows += bench_mpi(n, args, a.timeout)
+    rows = median_rows(rows)
+    rounds = f", median of {a.rounds} alternating rounds" if a.rounds > 1 else ""
+    print(f"# {os.cpu_count()} CPUs, loopback TCP, float32, median per call, slowest rank{rounds}")
     print(table(rows, peers))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

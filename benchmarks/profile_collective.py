@@ -38,13 +38,17 @@ async def main() -> None:
     comm = await asynccoll.init(backend="tcp")
     if args.no_poll:
         comm.tuning = asynccoll.Tuning(poll_us=0)
-    a = np.zeros(max(1, args.nbytes // 4), np.float32)
+    # all_gather's size is the gathered output, written into a preallocated buffer (as in
+    # benchmarks/workers.py)
+    per = max(1, args.nbytes // 4 // (comm.world_size if args.op == "all_gather" else 1))
+    a = np.zeros(per, np.float32)
+    out = np.zeros(per * comm.world_size, np.float32)
 
     async def once() -> None:
         if args.op == "all_reduce":
             await comm.all_reduce(a)
         elif args.op == "all_gather":
-            await comm.all_gather(a)
+            await comm.all_gather(a, out=out)
         elif args.op == "broadcast":
             await comm.broadcast(a)
         else:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import pickle
 import re
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
 
 import asynccoll
-from asynccoll import Communicator
+from asynccoll import CollectiveError, Communicator
 from asynccoll.tuning import RING, TREE, Tuning
 
 T = TypeVar("T")
@@ -29,10 +32,129 @@ BACKENDS = ["memory", "tcp"]
 DEFAULT_TIMEOUT = 20.0
 
 
+def _mpi_world_size() -> int | None:
+    """The size of the MPI job this pytest is one process of (``mpirun -n N python -m pytest``),
+    read from the launcher's environment (Open MPI, MPICH/Intel MPI/PMI), or None."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+#: Under an MPI launcher, every process runs the same tests in the same order, and the
+#: ``"mpi"`` backend joins BACKENDS: ``run_world(fn, n, "mpi")`` runs ``fn`` on this process's
+#: rank when ``n`` is the MPI world size (tests/test_mpi.py starts such a run).
+MPI_WORLD_SIZE = _mpi_world_size()
+if MPI_WORLD_SIZE is not None:
+    BACKENDS.append("mpi")
+
+#: Tests of the shared suites that cannot run on the mpi backend, and why.
+MPI_INCOMPATIBLE = {
+    "test_barrier_nobody_leaves_before_everyone_entered":
+        "it shares Python lists between the ranks, which separate MPI processes cannot; "
+        "tests/mpi_world.py checks barrier ordering across processes instead",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under MPI: skip the mpi cases whose world size is not the job's, the tuning presets
+    other than the default (they choose asynccoll's algorithms; MPI picks its own, so each
+    case runs once), and MPI_INCOMPATIBLE tests."""
+    if MPI_WORLD_SIZE is None:
+        return
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("backend") != "mpi":
+            continue
+        name = getattr(item, "originalname", item.name)
+        world_size = params.get("world_size", MPI_WORLD_SIZE)
+        if world_size != MPI_WORLD_SIZE:
+            reason = (f"the mpi backend runs on the mpirun world ({MPI_WORLD_SIZE} processes); "
+                      f"this case needs {world_size}")
+        elif params.get("tuning", "default") != "default":
+            reason = ("tuning presets choose asynccoll's own algorithms; MPI chooses its own, "
+                      "so the mpi backend runs each case once, with the default preset")
+        elif name in MPI_INCOMPATIBLE:
+            reason = MPI_INCOMPATIBLE[name]
+        else:
+            continue
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _pickled(value: Any) -> bytes:
+    try:
+        return pickle.dumps(value)
+    except Exception:  # an unpicklable result: its repr still tells what went wrong
+        return pickle.dumps(repr(value))
+
+
+async def _run_mpi(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
+                   **kw: Any) -> list[T]:
+    """``run_world`` on the mpi backend: ``fn`` on this process's rank only, then every rank's
+    result all-gathered (pickled, through mpi4py), so that every process sees the whole list
+    as ``run_local`` returns it. If a rank raised, every rank raises (its own error, or the
+    first rank's)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world_size != world.Get_size():
+        pytest.skip(f"the mpi backend runs on the mpirun world ({world.Get_size()} processes); "
+                    f"this case needs {world_size}")
+    timeout = kw["timeout"]
+    comm = await asynccoll.init(backend="mpi", **kw)
+    value: Any = None
+    error: BaseException | None = None
+    try:
+        value = await fn(comm)
+    except BaseException as exc:  # pytest.fail raises a BaseException
+        if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
+            raise
+        error = exc
+        comm.transport.abort(CollectiveError(f"rank {comm.rank} raised {_describe(exc)}"))
+    finally:
+        await comm.close()
+    # meet the other ranks without blocking the loop, then exchange outcomes (blocking is fine)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2 * timeout + 10
+    req = world.Ibarrier()
+    while not req.Test():
+        if loop.time() > deadline:
+            sys.stderr.write(f"rank {world.Get_rank()}: the other ranks never finished the test; "
+                             f"aborting the MPI job\n")
+            sys.stderr.flush()
+            world.Abort(1)
+        await asyncio.sleep(0.001)
+    mine = (error is None, _pickled(value if error is None else error),
+            "" if error is None else _describe(error))
+    outcomes = world.allgather(mine)
+    failed = [j for j, (ok, _, _) in enumerate(outcomes) if not ok]
+    if failed:
+        if error is not None and not isinstance(error, CollectiveError):
+            raise error
+        # the root cause: the first rank whose error is not a consequence of another's
+        first = next((j for j in failed if "CollectiveError" not in outcomes[j][2]
+                      and "Timeout" not in outcomes[j][2]), failed[0])
+        if error is not None and first == world.Get_rank():
+            raise error
+        raise AssertionError(f"rank {first} raised {outcomes[first][2]}") from error
+    return [pickle.loads(data) for _, data, _ in outcomes]
+
+
 async def run_world(fn: Callable[[Communicator], Awaitable[T]], world_size: int, backend: str,
                     **kw: Any) -> list[T]:
-    """``asynccoll.run_local(fn, world_size, backend, **kw)`` with a short default timeout."""
+    """``asynccoll.run_local(fn, world_size, backend, **kw)`` with a short default timeout.
+
+    ``backend="mpi"`` (under mpirun only) runs ``fn`` once, on this process's rank, and skips
+    the test unless ``world_size`` is the MPI world size.
+    """
     kw.setdefault("timeout", DEFAULT_TIMEOUT)
+    if backend == "mpi":
+        return await _run_mpi(fn, world_size, **kw)
     return await asynccoll.run_local(fn, world_size, backend, **kw)
 
 

@@ -21,6 +21,7 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 from asynccoll import CollectiveError, Communicator, ReduceOp
+from asynccoll.tuning import DIRECT, Tuning
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 MULTI = [2, 3, 4, 5, 8]  # world sizes for calls that need a peer
@@ -149,6 +150,34 @@ async def test_all_reduce_shapes(run, backend, tuning, world_size):
             assert same_bits(results[r][i], results[0][i])
 
 
+@pytest.mark.parametrize("world_size", MULTI)
+@pytest.mark.parametrize("preset", ["direct", "direct-large-segments"])
+async def test_direct_all_reduce(run, backend, world_size, preset):
+    """The direct all_reduce (the in-process default) on every transport: every op, sizes
+    around the segment and chunk sizes, blocks that differ by one element."""
+    tuning = DIRECT if preset == "direct" else Tuning(
+        small_bytes=-1, direct_all_reduce="always", direct_segment_bytes=4096,
+        reduce_chunk_bytes=1000, offload_bytes=1)
+    cases = [(dtype, op) for dtype in ("int32", "float64", "complex64", "bool")
+             for op in ops_for(dtype)]
+    sizes = [1, world_size - 1, 17, 4 * world_size + 1, 600]
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        out = []
+        for (k, n), (dtype, op) in itertools.product(enumerate(sizes), cases):
+            a = make_input(dtype, (n,), k, comm.rank, op)
+            assert await comm.all_reduce(a, op) is a
+            out.append(a)
+        return out
+
+    results = await run(fn, world_size, backend, tuning=tuning)
+    for i, ((k, n), (dtype, op)) in enumerate(itertools.product(enumerate(sizes), cases)):
+        expected = reference(op, [make_input(dtype, (n,), k, r, op) for r in range(world_size)])
+        for r in range(world_size):
+            assert_exact(results[r][i], expected, f"{op} {dtype} ({n},) rank {r}")
+            assert same_bits(results[r][i], results[0][i])
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 async def test_all_reduce_random_floats_bit_identical_on_every_rank(run, backend, tuning,
                                                                     world_size):
@@ -200,6 +229,29 @@ async def test_large_arrays_with_default_thresholds(run, backend, world_size):
             assert_exact(c, data(r))
 
     await run(fn, world_size, backend)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_frames_of_several_mib(run, backend, world_size):
+    """Payloads written in chunks and then in one piece (TCP), lent or copied (memory):
+    all_gather blocks and a broadcast segment of a few MiB, odd sizes."""
+    n = (3 << 20) // 8 + 5
+    tuning = Tuning(chain_segment_bytes=4 << 20)
+
+    def data(rank: int) -> np.ndarray:
+        return np.arange(n, dtype=np.float64) * (rank + 1)
+
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        out = np.empty(w * n)
+        assert await comm.all_gather(data(r), out=out) is out
+        assert_exact(out, np.concatenate([data(j) for j in range(w)]))
+        b = data(r) if r == w - 1 else np.zeros(n)
+        assert_exact(await comm.broadcast(b, root=w - 1), data(w - 1))
+        c = data(r)
+        assert_exact(await comm.all_reduce(c), sum(data(j) for j in range(w)))
+
+    await run(fn, world_size, backend, tuning=tuning)
 
 
 # ---------------------------------------------------------------------- reduce / broadcast

@@ -1,13 +1,21 @@
-"""The memory transport's lending of large collective payloads to receivers that come late."""
+"""The memory transport: lending large collective payloads (to receivers that come late, and to
+receives that only read them), and running large reductions in the world's worker threads."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
+import pytest
+from numpy.testing import assert_array_equal
 
 import asynccoll
-from asynccoll.transport.memory import LEND_MIN_BYTES
+from asynccoll import Communicator, ReduceOp, ops
+from asynccoll.transport.memory import LEND_MIN_BYTES, MemoryWorld
+from asynccoll.tuning import Tuning
+from asynccoll.wire import FrameKind, dtype_code, encode_data_head
 
 
 async def test_late_receivers_get_the_data_and_senders_wait_for_the_copy() -> None:
@@ -55,3 +63,131 @@ async def test_a_lent_frame_is_released_when_the_world_breaks() -> None:
     results = await asynccoll.run_local(fn, 2, timeout=1)
     assert results[1] == "closed"
     assert results[0] in ("PeerLostError", "CollectiveTimeout", "CollectiveError")
+
+
+# ------------------------------------------------------- borrowed payloads and worker threads
+
+def _head(src: int, step: int, nbytes: int) -> bytes:
+    return encode_data_head(FrameKind.DATA, 0, 0, step, 0, src, dtype_code(np.dtype("f8")),
+                            (nbytes // 8,), None, nbytes)
+
+
+async def test_a_borrowing_receive_reads_the_senders_memory_until_released() -> None:
+    world = MemoryWorld(2, threads=0)
+    sender, receiver = world.transports
+    data = np.arange(LEND_MIN_BYTES // 8, dtype=np.float64)
+    scratch = np.zeros_like(data)
+    key = (0, int(FrameKind.DATA), 0, 0, 0, 0)
+    fut = receiver.post_recv(key, memoryview(scratch).cast("B"), borrow=True)
+    pending = sender.post(1, _head(0, 0, data.nbytes), memoryview(data).cast("B"))
+    frame = await fut
+    assert np.shares_memory(np.frombuffer(frame.payload, np.float64), data)  # not copied
+    assert not scratch.any()
+    assert pending is not None and not pending.done()  # the sender must wait ...
+    receiver.release(key)
+    await asyncio.wait_for(pending, 1)  # ... until the receiver is done
+    # a frame that came before its borrowing receive is lent the same way
+    early = sender.post(1, _head(0, 1, data.nbytes), memoryview(data).cast("B"))
+    key1 = (0, int(FrameKind.DATA), 0, 0, 1, 0)
+    frame = await receiver.post_recv(key1, memoryview(scratch).cast("B"), borrow=True)
+    assert np.shares_memory(np.frombuffer(frame.payload, np.float64), data)
+    assert early is not None and not early.done()
+    receiver.release(key1)
+    await asyncio.wait_for(early, 1)
+    for t in world.transports:
+        await t.close()
+
+
+async def test_a_failure_gives_borrowed_payloads_back() -> None:
+    world = MemoryWorld(2, threads=0)
+    sender, receiver = world.transports
+    data = np.ones(LEND_MIN_BYTES // 8)
+    key = (0, int(FrameKind.DATA), 0, 0, 0, 0)
+    fut = receiver.post_recv(key, memoryview(np.empty_like(data)).cast("B"), borrow=True)
+    pending = sender.post(1, _head(0, 0, data.nbytes), memoryview(data).cast("B"))
+    await fut
+    assert pending is not None and not pending.done()
+    receiver.abort(asynccoll.CollectiveError("the receiver failed"))
+    await asyncio.wait_for(pending, 1)
+    for t in world.transports:
+        await t.close()
+
+
+def _memory_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("asynccoll-memory")]
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_large_reductions_run_in_the_worlds_threads(threads: int) -> None:
+    n = 1 << 18  # 2 MiB of float64: the direct algorithm, blocks above offload_bytes
+    world = MemoryWorld(4, threads=threads)
+    comms = [Communicator(t) for t in world.transports]
+    seen: list[str] = []
+    real = np.add
+
+    def add(*args: object, **kw: object) -> object:
+        seen.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    async def one(comm: Communicator) -> np.ndarray:
+        a = np.arange(n, dtype=np.float64) * (comm.rank + 1)
+        return await comm.all_reduce(a)
+
+    ops._UFUNCS[ReduceOp.SUM] = add  # type: ignore[assignment]
+    try:
+        results = await asyncio.gather(*(one(c) for c in comms))
+    finally:
+        ops._UFUNCS[ReduceOp.SUM] = real
+    for got in results:
+        assert_array_equal(got, np.arange(n, dtype=np.float64) * 10)
+    workers = {name for name in seen if name.startswith("asynccoll-memory")}
+    if threads:
+        assert workers and len(seen) > 0, "no reduction ran in a worker thread"
+        assert _memory_threads()
+    else:
+        assert not workers and seen
+    for c in comms:
+        await c.close()
+    assert not _memory_threads(), "closing the world must stop its threads"
+
+
+async def test_a_cancelled_collective_returns_only_after_its_worker_job() -> None:
+    world = MemoryWorld(2, threads=2)
+    t0, t1 = world.transports
+    target = np.zeros(LEND_MIN_BYTES // 8)
+    state: list[str] = []
+    loop = asyncio.get_running_loop()
+    started = asyncio.Event()
+
+    def slow(lo: int, hi: int) -> None:
+        state.append("started")
+        loop.call_soon_threadsafe(started.set)
+        time.sleep(0.2)
+        state.append("done")
+
+    key = (0, int(FrameKind.DATA), 0, 0, 0, 0)
+    recv = t1.post_recv(key, memoryview(target).cast("B"))
+    src = np.ones_like(target)
+    work = [(slow, src.nbytes, [(1, _head(0, 0, src.nbytes), memoryview(src).cast("B"))])]
+    task = asyncio.ensure_future(t0.compute_and_post(work, src.nbytes))
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert state == ["started", "done"], "cancellation returned while the job still ran"
+    assert not recv.done()  # the frame of a cancelled job is not delivered
+    for t in world.transports:
+        await t.close()
+
+
+def test_tuning_picks_the_direct_all_reduce_on_lending_transports() -> None:
+    big = 1 << 20
+    assert Tuning().all_reduce(big, 4, lends=True) == "direct"
+    assert Tuning().all_reduce(big, 4) == "ring"
+    assert Tuning().all_reduce(8, 4, lends=True) == "recursive_doubling"
+    assert Tuning(direct_all_reduce="never").all_reduce(big, 4, lends=True) == "ring"
+    assert Tuning(direct_all_reduce="always").all_reduce(big, 4) == "direct"
+    with pytest.raises(ValueError, match="direct_all_reduce"):
+        Tuning(direct_all_reduce="sometimes")
+    with pytest.raises(ValueError, match="reduce_chunk_bytes"):
+        Tuning(reduce_chunk_bytes=0)

@@ -23,27 +23,100 @@ from .distributed import (
     as_distributed_for_low_bandwidth,
     as_distributed_optimizer,
 )
+from .elastic import ElasticTrainer, run_elastic
+from .hybrid import Hybrid, TensorParallelStage
 from .layout import FlatLayout
+from .mesh import Mesh, MeshCoords, MeshShape
 from .mlp import MLP
 from .model import Hooks, Model, NoHooks, ParamSpec, split_batch
 from .optim import SGD, Adam, AdamW, Optimizer
+from .param_server import AsyncSGD, PushResult, ServerStats, WorkerStats
+from .pipeline import (
+    MLPStage,
+    PipelineParallel,
+    Stage,
+    TorchStage,
+    mlp_partition,
+    split_mlp,
+    split_sequential,
+)
+from .tensor import (
+    ColumnParallel,
+    ParallelLinear,
+    Replicated,
+    RowParallel,
+    TensorParallelMLP,
+    megatron_layers,
+)
 
 if TYPE_CHECKING:
+    from .tensor import ColumnParallelLinear, RowParallelLinear
     from .torch_model import TorchModel
 
 
 def __getattr__(name: str) -> Any:
+    # names that import torch: loaded on first use
     if name == "TorchModel":
         from .torch_model import TorchModel
         return TorchModel
+    if name in ("ColumnParallelLinear", "RowParallelLinear"):
+        from . import tensor
+        return getattr(tensor, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "MLP", "PRESETS", "SGD", "STRATEGIES", "Adam", "AdamW", "Compression", "DistributedModel",
-    "DistributedOptimizer", "FlatLayout", "Hooks", "MemoryReport", "Model", "NoHooks",
-    "Optimizer", "ParamSpec", "TorchModel", "agree_to_stop", "as_distributed",
-    "as_distributed_for_high_bandwidth", "as_distributed_for_low_bandwidth",
-    "as_distributed_optimizer", "load_checkpoint", "load_parameters", "make_compression",
-    "save_checkpoint", "split_batch",
+    "MLP",
+    "PRESETS",
+    "SGD",
+    "STRATEGIES",
+    "Adam",
+    "AdamW",
+    "AsyncSGD",
+    "ColumnParallel",
+    "ColumnParallelLinear",
+    "Compression",
+    "DistributedModel",
+    "DistributedOptimizer",
+    "ElasticTrainer",
+    "FlatLayout",
+    "Hooks",
+    "Hybrid",
+    "MLPStage",
+    "MemoryReport",
+    "Mesh",
+    "MeshCoords",
+    "MeshShape",
+    "Model",
+    "NoHooks",
+    "Optimizer",
+    "ParallelLinear",
+    "ParamSpec",
+    "PipelineParallel",
+    "PushResult",
+    "Replicated",
+    "RowParallel",
+    "RowParallelLinear",
+    "ServerStats",
+    "Stage",
+    "TensorParallelMLP",
+    "TensorParallelStage",
+    "TorchModel",
+    "TorchStage",
+    "WorkerStats",
+    "agree_to_stop",
+    "as_distributed",
+    "as_distributed_for_high_bandwidth",
+    "as_distributed_for_low_bandwidth",
+    "as_distributed_optimizer",
+    "load_checkpoint",
+    "load_parameters",
+    "make_compression",
+    "megatron_layers",
+    "mlp_partition",
+    "run_elastic",
+    "save_checkpoint",
+    "split_batch",
+    "split_mlp",
+    "split_sequential",
 ]

@@ -381,6 +381,27 @@ class DistributedModel:
                     buffers[name] = np.concatenate([s["buffers"][name] for s in states])
         return params, buffers, step
 
+    async def full_state(self) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """Whole flat parameters and optimizer buffers on every rank (a collective: the shards
+        are all-gathered), and the optimizer's step count: what :meth:`load_full_state` takes,
+        with any number of ranks and any strategy. Elastic training commits this."""
+        await self.start()
+        lay = self.layout
+        params, buffers, step = self.shard_state()
+
+        async def whole(shard: np.ndarray) -> np.ndarray:
+            got = await self.comm.all_gather(shard)
+            flat = np.empty(lay.size, lay.dtype)
+            pos = 0
+            for r in range(self.world_size):
+                for a, b in lay.global_ranges(r):
+                    flat[a:b] = got[pos:pos + b - a]
+                    pos += b - a
+            return flat
+
+        full = await whole(params)
+        return full, {k: await whole(v) for k, v in sorted(buffers.items())}, step
+
     def load_full_state(self, params: np.ndarray, buffers: dict[str, np.ndarray],
                         step: int, hyper: dict[str, Any] | None = None) -> None:
         """Take whole flat parameters and optimizer buffers (every rank the same) and keep

@@ -17,18 +17,24 @@ one unit, so the hooks see ``len(sizes) - 1`` units.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import math
-import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._mlp_math import ACTIVATIONS as ACTIVATIONS
+from ._mlp_math import LOSSES as LOSSES
+from ._mlp_math import (
+    activation_grad,
+    add_dense_grads,
+    check_batch,
+    check_config,
+    check_inputs,
+    dense,
+    initial_layers,
+    mean_loss,
+)
 from .model import Hooks, Model, NoHooks, ParamSpec
-
-ACTIVATIONS = ("tanh", "relu")
-LOSSES = ("mse", "cross_entropy")
 
 
 def validate_bindings(specs: Mapping[str, ParamSpec], arrays: Mapping[str, np.ndarray] | None,
@@ -54,7 +60,75 @@ def validate_bindings(specs: Mapping[str, ParamSpec], arrays: Mapping[str, np.nd
     return out
 
 
-class MLP(Model):
+class _BoundArrays:
+    """The parameter side of a :class:`Model` (or pipeline stage) that keeps its parameters
+    and gradients in NumPy arrays :meth:`bind` can replace: ``_specs``, ``_by_name`` and the
+    ``_params`` / ``_grads`` dicts, set by :meth:`_own`."""
+
+    _specs: list[ParamSpec]
+    _by_name: dict[str, ParamSpec]
+    _params: dict[str, np.ndarray]
+    _grads: dict[str, np.ndarray]
+
+    def _own(self, specs: Iterable[ParamSpec], params: Mapping[str, np.ndarray]) -> None:
+        """Start with these specs and parameter arrays, and zero-filled gradient arrays."""
+        self._specs = list(specs)
+        self._by_name = {s.name: s for s in self._specs}
+        self._params = {s.name: params[s.name] for s in self._specs}
+        self._grads = {s.name: np.zeros(s.shape, s.dtype) for s in self._specs}
+
+    def param_specs(self) -> list[ParamSpec]:
+        return list(self._specs)
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The arrays the parameters are read from (no copies)."""
+        return dict(self._params)
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """The arrays the gradients are added into (no copies)."""
+        return dict(self._grads)
+
+    def bind(self, params: Mapping[str, np.ndarray] | None = None,
+             grads: Mapping[str, np.ndarray] | None = None) -> None:
+        """Read parameters from / add gradients into these arrays from now on (no copies).
+
+        Raises ``KeyError``, ``TypeError`` or ``ValueError`` for an unknown name or an array
+        of the wrong dtype or shape; nothing is rebound then.
+        """
+        self._rebind(validate_bindings(self._by_name, params, "parameter"),
+                     validate_bindings(self._by_name, grads, "gradient"))
+
+    def _rebind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        """Use these (checked) arrays from now on."""
+        self._params.update(params)
+        self._grads.update(grads)
+
+
+class _LayerArrays(_BoundArrays):
+    """:class:`_BoundArrays` of MLP layers (``layers.{u}.weight`` / ``layers.{u}.bias``), with
+    accessors that refuse released (zero-size) arrays."""
+
+    def _param(self, u: int, kind: str) -> np.ndarray:
+        return self._bound(self._params, u, kind, "parameter")
+
+    def _grad(self, u: int, kind: str) -> np.ndarray:
+        return self._bound(self._grads, u, kind, "gradient")
+
+    def _bound(self, arrays: dict[str, np.ndarray], u: int, kind: str, what: str
+               ) -> np.ndarray:
+        name = f"layers.{u}.{kind}"
+        array = arrays[name]
+        if array.shape != self._by_name[name].shape:
+            raise RuntimeError(f"{what} {name!r} is released (bound to a zero-size array); "
+                               f"a hook must bind it before {self._needed_by(u, what)}")
+        return array
+
+    def _needed_by(self, u: int, what: str) -> str:
+        """When a hook must have bound the ``what`` of layer ``u`` (for the error)."""
+        return f"unit {u} runs backward" if what == "gradient" else f"unit {u} runs"
+
+
+class MLP(_LayerArrays, Model):
     """A multi-layer perceptron in NumPy (the reference model of the parallel wrappers).
 
     Args:
@@ -74,62 +148,23 @@ class MLP(Model):
 
     def __init__(self, sizes: Sequence[int], *, activation: str = "tanh", loss: str = "mse",
                  dtype: Any = np.float64, seed: int = 0) -> None:
-        widths = tuple(operator.index(s) for s in sizes)
-        if len(widths) < 2:
-            raise ValueError(f"an MLP needs an input and an output size, got {list(widths)}")
-        if any(w < 1 for w in widths):
-            raise ValueError(f"layer sizes must be positive, got {list(widths)}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-        self.dtype: np.dtype[Any] = np.dtype(dtype)
-        if self.dtype.kind != "f":
-            raise TypeError(f"dtype must be a float dtype, got {self.dtype}")
-        self.sizes = widths
+        self.sizes, self.dtype = check_config(sizes, activation, loss, dtype)
         self.activation = activation
         self.loss_kind = loss
-        rng = np.random.default_rng(seed)
         specs: list[ParamSpec] = []
         params: dict[str, np.ndarray] = {}
-        for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
-            bound = 1.0 / math.sqrt(fan_in)
-            for kind, shape in (("weight", (fan_out, fan_in)), ("bias", (fan_out,))):
+        for i, arrays in enumerate(initial_layers(self.sizes, self.dtype, seed)):
+            for kind, array in zip(("weight", "bias"), arrays, strict=True):
                 name = f"layers.{i}.{kind}"
-                specs.append(ParamSpec(name=name, shape=shape, dtype=self.dtype, unit=i))
-                params[name] = rng.uniform(-bound, bound, size=shape).astype(self.dtype)
-        self._specs = specs
-        self._by_name = {s.name: s for s in specs}
-        self._params = params
-        self._grads = {name: np.zeros_like(p) for name, p in params.items()}
+                specs.append(ParamSpec(name=name, shape=array.shape, dtype=self.dtype, unit=i))
+                params[name] = array
+        self._own(specs, params)
 
     # ------------------------------------------------------------------ Model interface
-
-    def param_specs(self) -> list[ParamSpec]:
-        return list(self._specs)
 
     @property
     def num_units(self) -> int:
         return len(self.sizes) - 1
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return dict(self._params)
-
-    def grads(self) -> dict[str, np.ndarray]:
-        """The arrays the gradients are added into (no copies)."""
-        return dict(self._grads)
-
-    def bind(self, params: Mapping[str, np.ndarray] | None = None,
-             grads: Mapping[str, np.ndarray] | None = None) -> None:
-        """Read parameters from / add gradients into these arrays from now on (no copies).
-
-        Raises ``KeyError``, ``TypeError`` or ``ValueError`` for an unknown name or an array
-        of the wrong dtype or shape; nothing is rebound then.
-        """
-        new_params = validate_bindings(self._by_name, params, "parameter")
-        new_grads = validate_bindings(self._by_name, grads, "gradient")
-        self._params.update(new_params)
-        self._grads.update(new_grads)
 
     async def forward_backward(self, batch: Any, hooks: Hooks | None = None) -> float:
         """Loss of ``batch = (x, y)`` (mean over samples); adds the gradients into the bound
@@ -141,22 +176,17 @@ class MLP(Model):
         backward hold their additions and the others are untouched.
         """
         hooks = NoHooks() if hooks is None else hooks
-        x, y = self._check_batch(batch)
+        x, y = check_batch(batch, self.sizes, self.loss_kind, self.dtype)
         acts = await self._forward(x, hooks)
-        loss, dz = self._loss_and_grad(acts[-1], y)
+        loss, dz = mean_loss(self.loss_kind, acts[-1], y, grad=True)
         for u in reversed(range(self.num_units)):
             await hooks.before_backward(u)
             w = self._param(u, "weight")
-            gw, gb = self._grad(u, "weight"), self._grad(u, "bias")
             a_in = acts[u]
-            gw += dz.T @ a_in
-            gb += dz.sum(axis=0)
+            add_dense_grads(a_in, dz, self._grad(u, "weight"), self._grad(u, "bias"))
             if u > 0:                   # needs W of unit u: before after_backward(u)
                 dz = dz @ w
-                if self.activation == "tanh":
-                    dz *= 1.0 - a_in * a_in
-                else:
-                    dz *= a_in > 0
+                dz *= activation_grad(a_in, self.activation)
             await hooks.after_backward(u)
             await asyncio.sleep(0)
         return loss
@@ -164,13 +194,13 @@ class MLP(Model):
     async def loss(self, batch: Any, hooks: Hooks | None = None) -> float:
         """Loss of ``batch`` (mean over samples) without gradients; calls the forward hooks."""
         hooks = NoHooks() if hooks is None else hooks
-        x, y = self._check_batch(batch)
+        x, y = check_batch(batch, self.sizes, self.loss_kind, self.dtype)
         acts = await self._forward(x, hooks)
-        return self._loss_and_grad(acts[-1], y, grad=False)[0]
+        return mean_loss(self.loss_kind, acts[-1], y, grad=False)[0]
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """The network's output for ``x`` (B, in): predictions, or logits for cross-entropy."""
-        a = self._check_inputs(x)
+        a = check_inputs(x, self.sizes[0], self.dtype)
         for u in range(self.num_units):
             a = self._layer(u, a)
         return a
@@ -187,79 +217,8 @@ class MLP(Model):
         return acts
 
     def _layer(self, u: int, a: np.ndarray) -> np.ndarray:
-        z = a @ self._param(u, "weight").T
-        z += self._param(u, "bias")
-        if u < self.num_units - 1:
-            if self.activation == "tanh":
-                np.tanh(z, out=z)
-            else:
-                np.maximum(z, 0, out=z)
-        return z
-
-    def _param(self, u: int, kind: str) -> np.ndarray:
-        name = f"layers.{u}.{kind}"
-        array = self._params[name]
-        if array.shape != self._by_name[name].shape:
-            raise RuntimeError(f"parameter {name!r} is released (bound to a zero-size array); "
-                               f"a hook must bind it before unit {u} runs")
-        return array
-
-    def _grad(self, u: int, kind: str) -> np.ndarray:
-        name = f"layers.{u}.{kind}"
-        array = self._grads[name]
-        if array.shape != self._by_name[name].shape:
-            raise RuntimeError(f"gradient {name!r} is released (bound to a zero-size array); "
-                               f"a hook must bind it before unit {u} runs backward")
-        return array
-
-    def _check_inputs(self, x: Any) -> np.ndarray:
-        x = np.asarray(x, dtype=self.dtype)
-        if x.ndim != 2 or x.shape[1] != self.sizes[0]:
-            raise ValueError(f"inputs must have shape (batch, {self.sizes[0]}), got {x.shape}")
-        return x
-
-    def _check_batch(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
-        try:
-            x, y = batch
-        except (TypeError, ValueError):
-            raise ValueError("batch must be a pair (inputs, targets)") from None
-        x = self._check_inputs(x)
-        n = x.shape[0]
-        if n == 0:
-            raise ValueError("empty batch: the mean loss over zero samples is undefined")
-        out = self.sizes[-1]
-        if self.loss_kind == "mse":
-            y = np.asarray(y, dtype=self.dtype)
-            if y.shape != (n, out):
-                raise ValueError(f"targets must have shape {(n, out)}, got {y.shape}")
-        else:
-            y = np.asarray(y)
-            if y.shape != (n,) or y.dtype.kind not in "iu":
-                raise ValueError(f"labels must be integers of shape {(n,)}, got {y.dtype} "
-                                 f"{y.shape}")
-            if n and (y.min() < 0 or y.max() >= out):
-                raise ValueError(f"labels must lie in [0, {out}), got {y.min()}..{y.max()}")
-        return x, y
-
-    def _loss_and_grad(self, out: np.ndarray, y: np.ndarray, *, grad: bool = True
-                       ) -> tuple[float, np.ndarray]:
-        """The mean loss and d(loss)/d(out) (``out`` is overwritten when ``grad``)."""
-        n = out.shape[0]
-        if self.loss_kind == "mse":
-            diff = np.subtract(out, y, out=out if grad else None)
-            loss = 0.5 * float(np.vdot(diff, diff)) / n
-            diff /= n
-            return loss, diff
-        rows = np.arange(n)
-        shifted = np.subtract(out, out.max(axis=1, keepdims=True), out=out if grad else None)
-        picked = shifted[rows, y]                         # a copy: the labels' logits
-        np.exp(shifted, out=shifted)                      # unnormalised softmax
-        total = shifted.sum(axis=1, keepdims=True)
-        loss = float(np.mean(np.log(total[:, 0]) - picked))
-        shifted /= total                                  # softmax
-        shifted[rows, y] -= 1.0
-        shifted /= n
-        return loss, shifted
+        return dense(a, self._param(u, "weight"), self._param(u, "bias"),
+                     self.activation if u < self.num_units - 1 else None)
 
 
 __all__ = ["MLP", "validate_bindings"]

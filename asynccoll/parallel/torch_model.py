@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .mlp import validate_bindings
+from .mlp import _BoundArrays
 from .model import Hooks, Model, NoHooks, ParamSpec
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def _on_accumulated(ref: weakref.ref[TorchModel], unit: int, name: str, param: A
             state.accumulated(unit, name)
 
 
-class TorchModel(Model):
+class TorchModel(_BoundArrays, Model):
     """A ``torch.nn.Module`` and a loss function as a :class:`Model` (CPU tensors).
 
     Args:
@@ -311,11 +311,8 @@ class TorchModel(Model):
             specs.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=dtype,
                                    unit=owner[id(p)]))
         specs.sort(key=lambda s: s.unit)                # stable: module order within a unit
-        self._specs = specs
-        self._by_name = {s.name: s for s in specs}
         self._tparams: dict[str, Any] = {s.name: named[s.name] for s in specs}
-        self._params = {s.name: named[s.name].detach().numpy() for s in specs}
-        self._grads = {s.name: np.zeros(s.shape, s.dtype) for s in specs}
+        self._own(specs, {s.name: named[s.name].detach().numpy() for s in specs})
         self._bind_lock = threading.Lock()
         for s in specs:
             self._attach(s.name)
@@ -339,19 +336,9 @@ class TorchModel(Model):
 
     # ------------------------------------------------------------------ Model interface
 
-    def param_specs(self) -> list[ParamSpec]:
-        return list(self._specs)
-
     @property
     def num_units(self) -> int:
         return len(self.units)
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return dict(self._params)
-
-    def grads(self) -> dict[str, np.ndarray]:
-        """The arrays the gradients are added into (no copies)."""
-        return dict(self._grads)
 
     def bind(self, params: Mapping[str, np.ndarray] | None = None,
              grads: Mapping[str, np.ndarray] | None = None) -> None:
@@ -363,17 +350,17 @@ class TorchModel(Model):
         an unknown name, a wrong dtype or shape, or a read-only array; nothing is rebound
         then.
         """
-        new_params = validate_bindings(self._by_name, params, "parameter")
-        new_grads = validate_bindings(self._by_name, grads, "gradient")
-        for what, arrays in (("parameter", new_params), ("gradient", new_grads)):
+        super().bind(params, grads)
+
+    def _rebind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        for what, arrays in (("parameter", params), ("gradient", grads)):
             for name, array in arrays.items():
                 if array.size and not array.flags.writeable:
                     raise ValueError(f"bind: {what} {name!r} is read-only; torch needs "
                                      f"writable memory")
         with self._bind_lock:
-            self._params.update(new_params)
-            self._grads.update(new_grads)
-            for name in {**new_params, **new_grads}:
+            super()._rebind(params, grads)
+            for name in {**params, **grads}:
                 self._attach(name)
 
     async def forward_backward(self, batch: Any, hooks: Hooks | None = None) -> float:

@@ -151,6 +151,7 @@ class RendezvousClient:
         send_limit = welcome.get("max_value_bytes")
         if type(send_limit) is not int or send_limit < 0:
             send_limit = max_value_bytes
+        logger.debug("rendezvous: connected to the server at %s (rank %s)", address, rank)
         return cls(reader, writer, timeout=timeout, max_value_bytes=max_value_bytes,
                    send_limit=send_limit, address=address)
 
@@ -197,6 +198,9 @@ class RendezvousClient:
             while True:
                 frame = await read_frame(self._reader, self._max_value_bytes)
                 if frame is None:
+                    if not self._closed:
+                        logger.debug("rendezvous: the server at %s closed the connection",
+                                     self._address)
                     self._fail(f"the rendezvous server at {self._address} closed the connection")
                     return
                 meta = frame.header.meta
@@ -210,8 +214,13 @@ class RendezvousClient:
                 elif not fut.done():
                     fut.set_result((meta, frame.payload))
         except ProtocolError as exc:
+            logger.warning("rendezvous: the server at %s broke the protocol: %s", self._address,
+                           exc)
             self._fail(f"the rendezvous server at {self._address} broke the protocol: {exc}")
         except (ConnectionError, OSError) as exc:
+            if not self._closed:
+                logger.debug("rendezvous: connection to the server at %s lost: %s",
+                             self._address, exc)
             self._fail(f"connection to the rendezvous server at {self._address} lost: {exc}")
         except Exception as exc:  # a bug: fail the calls loudly rather than hang them
             logger.exception("rendezvous client: internal error")

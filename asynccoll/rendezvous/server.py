@@ -261,7 +261,8 @@ class RendezvousServer:
             logger.warning("rendezvous: dropped connection from %s: it did not read its "
                            "responses for %s s", peer, self._send_timeout)
         except* (ConnectionError, OSError) as group:
-            logger.info("rendezvous: connection from %s lost: %s", peer, group.exceptions[0])
+            logger.warning("rendezvous: connection from %s lost: %s", peer,
+                           group.exceptions[0])
         return abort
 
     async def _dispatch(self, tg: asyncio.TaskGroup, writer: asyncio.StreamWriter, rid: int,

@@ -12,6 +12,13 @@ matches it to a posted receive by its key ``(src, kind, group, seq, step, tag)``
 can read payloads straight into memory (TCP) first asks :meth:`Mailbox.claim` for the buffer the
 receiver posted, so array data lands where it belongs without a copy.
 
+A backend whose senders live in the receiver's process (memory) may instead *lend* a payload:
+the receiver gets the sender's memory itself, and the sender's ``post`` returns a future that
+resolves once the receiver is done with it. A receive posted with ``borrow=True`` says the
+receiver only reads the payload (to reduce it into its own data) and releases it explicitly
+(:meth:`Transport.release`); backends that cannot lend ignore the flag and fill the posted
+buffer as usual. :attr:`Transport.lends` tells algorithms which of the two they get.
+
 The mailbox also checks collective signatures: every DATA frame carries the signature of the
 collective that sent it (name, dtype, shape, op, algorithm ...). When it differs from the
 signature of the collective this rank runs under the same ``(group, seq)`` the world is aborted
@@ -24,7 +31,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +48,9 @@ log = logging.getLogger("asynccoll.transport")
 
 #: (src world rank, frame kind, group, seq, step, tag)
 Key = tuple[int, int, int, int, int, int]
+#: ``(fn, nbytes, frames)``: ``fn(lo, hi)`` computes bytes ``[lo, hi)`` of an ``nbytes``
+#: payload, which each frame ``(dst, head, payload)`` then sends (Transport.compute_and_post)
+Work = tuple[Callable[[int, int], None], int, Sequence[tuple[int, bytes, memoryview]]]
 #: (group, seq) of the collective a failure happened in
 Scope = tuple[int, int]
 
@@ -54,6 +64,7 @@ class _Posted:
     future: asyncio.Future[Frame]
     into: memoryview | None
     sig: tuple[Any, ...] | None
+    borrow: bool = False
 
 
 def describe_sig(sig: tuple[Any, ...] | None) -> str:
@@ -88,6 +99,8 @@ class Mailbox:
         # early frames whose payload still belongs to the (in-process) sender: the future
         # tells the sender when the receiver has copied it
         self._lent: dict[Key, asyncio.Future[None]] = {}
+        # lent payloads a borrowing receive holds (until Transport.release or a failure)
+        self._borrowed: dict[Key, asyncio.Future[None]] = {}
         self._error: CollectiveError | None = None
         self._scope: Scope | None = None
         self._on_mismatch = on_mismatch
@@ -104,8 +117,12 @@ class Mailbox:
     def end(self, group: int, seq: int) -> None:
         self._active.pop((group, seq), None)
 
-    def take(self, key: Key, into: memoryview | None) -> Frame | None:
-        """The frame for ``key`` if it arrived already (copied into ``into`` when given)."""
+    def take(self, key: Key, into: memoryview | None, borrow: bool = False) -> Frame | None:
+        """The frame for ``key`` if it arrived already (copied into ``into`` when given).
+
+        With ``borrow``, a lent payload of ``into``'s size is handed over as it is, to be
+        released with :meth:`release`.
+        """
         if self._error is not None and not self._key_allowed(key):
             raise self._error
         frame = self._early.pop(key, None)
@@ -114,12 +131,15 @@ class Mailbox:
             if lost is not None:
                 raise lost
             return None
-        filled = _fill(frame, into)
         lent = self._lent.pop(key, None)
+        if lent is not None and borrow and _fits(frame, into):
+            self._borrowed[key] = lent
+            return frame
+        filled = _fill(frame, into)
         if lent is not None:
             if filled.payload is not into:  # not copied yet: take our own copy now
                 own = np.empty(memoryview(frame.payload).nbytes, np.uint8)
-                own.data.cast("B")[:] = frame.payload
+                copy_bytes(own.data.cast("B"), memoryview(frame.payload))
                 filled = Frame(frame.kind, frame.header, own)
             lent.set_result(None)
         return filled
@@ -135,20 +155,42 @@ class Mailbox:
         if self._error is not None and not self._key_allowed(key):
             fut.set_result(None)
             return fut
+        posted = self._posted.get(key)
+        if posted is not None:  # a borrowing receive (see lends_to)
+            del self._posted[key]
+            if posted.future.done():
+                fut.set_result(None)
+            else:
+                self._borrowed[key] = fut
+                posted.future.set_result(frame)
+            return fut
         self._early[key] = frame
         self._lent[key] = fut
         return fut
+
+    def lends_to(self, key: Key, nbytes: int) -> bool:
+        """Whether a borrowing receive of ``nbytes`` is posted for ``key`` (then :meth:`lend`
+        hands the sender's payload straight to it)."""
+        posted = self._posted.get(key)
+        return (posted is not None and posted.borrow
+                and (posted.into is None or posted.into.nbytes == nbytes))
+
+    def release(self, key: Key) -> None:
+        """The receiver is done with the payload it borrowed for ``key`` (if any)."""
+        fut = self._borrowed.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def waiting(self, key: Key) -> bool:
         """Whether a receive for ``key`` is posted."""
         return key in self._posted
 
-    def post(self, key: Key, into: memoryview | None, sig: tuple[Any, ...] | None
-             ) -> asyncio.Future[Frame]:
+    def post(self, key: Key, into: memoryview | None, sig: tuple[Any, ...] | None,
+             borrow: bool = False) -> asyncio.Future[Frame]:
         if key in self._posted:
             raise RuntimeError(f"receive for {key} posted twice")  # our own invariant
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-        self._posted[key] = _Posted(fut, into, sig)
+        self._posted[key] = _Posted(fut, into, sig, borrow)
         return fut
 
     def unpost(self, key: Key) -> None:
@@ -224,6 +266,10 @@ class Mailbox:
             lent = self._lent.pop(key, None)
             if lent is not None:
                 lent.set_result(None)
+        # a failed collective's receiver will not release what it borrowed: give it back
+        # (it may still read the memory, but never hands out what it computes from it)
+        for key in [k for k in self._borrowed if not self._key_allowed(k)]:
+            self.release(key)
         return True
 
     def allowed(self, group: int, seq: int) -> bool:
@@ -258,14 +304,43 @@ def _fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
         fut.exception()
 
 
+def _fits(frame: Frame, into: memoryview | None) -> bool:
+    return into is None or memoryview(frame.payload).nbytes == into.nbytes
+
+
 def _fill(frame: Frame, into: memoryview | None) -> Frame:
     if into is None or frame.payload is into:
         return frame
     src = memoryview(frame.payload)
     if src.nbytes != into.nbytes:
         return frame  # size mismatch: the receiver validates the header and raises
-    into[:] = src.cast("B") if src.format != "B" else src
+    copy_bytes(into, src)
     return Frame(frame.kind, frame.header, into)
+
+
+#: copies at least this large go through NumPy, which releases the GIL while it copies
+#: (a memoryview assignment holds it, stalling threads that wait to start their next job)
+NUMPY_COPY_BYTES = 64 * 1024
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` for two buffers of equal size."""
+    if src.format != "B":
+        src = src.cast("B")
+    if src.nbytes >= NUMPY_COPY_BYTES:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+    else:
+        dst[:] = src
+
+
+def compute_and_post_inline(transport: Transport, work: Sequence[Work]
+                            ) -> list[asyncio.Future[None] | None]:
+    """:meth:`Transport.compute_and_post` in the calling thread."""
+    pending: list[asyncio.Future[None] | None] = []
+    for fn, nbytes, frames in work:
+        fn(0, nbytes)
+        pending.extend(transport.post(dst, head, payload) for dst, head, payload in frames)
+    return pending
 
 
 def error_from_abort(frame: Frame) -> tuple[CollectiveError, Scope | None]:
@@ -304,6 +379,9 @@ class Transport(abc.ABC):
         self.polls = False
         #: whether polling should yield the CPU between polls (more ranks than cores here)
         self.yields = False
+        #: whether borrowing receives get the sender's memory itself (see the module doc):
+        #: ranks share an address space, so reading a peer's data costs no transfer
+        self.lends = False
 
     # -- to implement ---------------------------------------------------------------------
 
@@ -339,14 +417,24 @@ class Transport(abc.ABC):
             self.check_sendable()
 
     def post_recv(self, key: Key, into: memoryview | None = None,
-                  sig: tuple[Any, ...] | None = None) -> asyncio.Future[Frame]:
-        """Post a receive; the future resolves with the frame (see :meth:`recv`)."""
-        frame = self.mailbox.take(key, into)
+                  sig: tuple[Any, ...] | None = None, borrow: bool = False
+                  ) -> asyncio.Future[Frame]:
+        """Post a receive; the future resolves with the frame (see :meth:`recv`).
+
+        With ``borrow``, a backend that :attr:`lends` may resolve it with the sender's own
+        payload instead of filling ``into``: the receiver must only read it, and call
+        :meth:`release` once done (the sender waits until then).
+        """
+        frame = self.mailbox.take(key, into, borrow)
         if frame is not None:
             fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
             fut.set_result(frame)
             return fut
-        return self.mailbox.post(key, into, sig)
+        return self.mailbox.post(key, into, sig, borrow)
+
+    def release(self, key: Key) -> None:
+        """Give back the payload a borrowing receive of ``key`` got (no-op if it got none)."""
+        self.mailbox.release(key)
 
     async def recv(self, key: Key, into: memoryview | None = None,
                    sig: tuple[Any, ...] | None = None) -> Frame:
@@ -363,6 +451,23 @@ class Transport(abc.ABC):
             return await fut
         finally:
             self.mailbox.unpost(key)
+
+    async def compute_and_post(self, work: Sequence[Work], chunk: int
+                               ) -> list[asyncio.Future[None] | None]:
+        """Compute payloads and send them: for each ``(fn, nbytes, frames)`` in order,
+        ``fn(lo, hi)`` computes bytes ``[lo, hi)`` of an ``nbytes`` payload that every frame
+        ``(dst, head, payload)`` of ``frames`` then carries. Returns what :meth:`post`
+        returned for the frames.
+
+        The base version calls ``fn(0, nbytes)`` and posts, inline. A backend whose ranks
+        share one process (memory) may run the work in a worker thread, so that several
+        ranks' arithmetic uses several cores (NumPy releases the GIL in large ufuncs and
+        copies): ``chunk`` bytes (a multiple of the element size) at a time, each chunk
+        copied into the receives posted for the frames while it is still in cache. The
+        buffers the work touches must stay alive and untouched until this returns (it
+        waits for a worker even when the awaiting task is cancelled).
+        """
+        return compute_and_post_inline(self, work)
 
     def check_usable(self, group: int | None = None, seq: int | None = None) -> None:
         """Raise unless a new collective (``group``, ``seq``) may start."""

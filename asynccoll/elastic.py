@@ -1,0 +1,283 @@
+"""Elastic membership: worlds that shrink when a process dies and grow when one joins.
+
+An elastic job is a sequence of *generations*. Each generation is an ordinary TCP world
+(a fresh :class:`~asynccoll.Communicator`) over the processes that joined it; when a member is
+lost or a new process asks to join, the next generation opens, every live process joins it,
+and a new world forms, without restarting any process. :class:`ElasticGroup` does the
+membership; :class:`asynccoll.parallel.elastic.ElasticTrainer` carries training state across
+generations.
+
+Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezvous``), under
+``elastic/``:
+
+- ``elastic/round``: the newest generation number (decimal).
+- ``elastic/G/joined``: a counter; a process joining generation G takes the next index ``i``
+  and writes its record (id, previous generation and rank) to ``elastic/G/m/i``.
+- ``elastic/G/closed``: the generation's roster (member ids in rank order), written once by
+  compare-and-set, by whichever member first sees that ``max_nodes`` joined, or that at least
+  ``min_nodes`` joined and nobody else for ``settle`` seconds. Survivors of the previous
+  generation come first, in their old rank order (so rank 0 stays rank 0 if it lives), then
+  newcomers in joining order.
+- ``elastic/G/addr/R``: the address rank R listens on in generation G.
+
+A process that finds generation G already closed without it asks for G+1 (unless G is full,
+then it waits as a spare for the next generation); the running members see the newer round at
+their next step boundary (:meth:`ElasticGroup.should_reform`) and move over together. A member
+whose collective fails (a peer died: :class:`~asynccoll.PeerLostError`) opens the next
+generation itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .collectives import Communicator
+from .errors import RendezvousError
+from .ops import ReduceOp
+from .tuning import Tuning
+
+log = logging.getLogger("asynccoll.elastic")
+
+PREFIX = "elastic"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One formed generation, as this process sees it."""
+
+    number: int
+    rank: int
+    world_size: int
+    roster: tuple[str, ...]
+    #: ids of members that were not in the previous generation
+    newcomers: tuple[str, ...]
+
+
+class ElasticGroup:
+    """This process's membership in an elastic job. Create with :meth:`connect`.
+
+    Args:
+        min_nodes: a generation forms only with at least this many processes.
+        max_nodes: and at most this many (later ones wait as spares).
+        settle: seconds without a new arrival after which a generation with at least
+            ``min_nodes`` members closes (a generation with ``max_nodes`` closes at once).
+        timeout: bound of every wait: forming a generation, and the collectives of its
+            communicator.
+    """
+
+    def __init__(self, client: Any, *, min_nodes: int, max_nodes: int, settle: float,
+                 timeout: float, token: str | bytes | None, tuning: Tuning | None,
+                 job: str, server: Any = None) -> None:
+        if min_nodes < 1 or max_nodes < min_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
+        if settle < 0:
+            raise ValueError(f"settle must be >= 0, got {settle}")
+        self.client = client
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.settle, self.timeout = settle, timeout
+        self.token, self.tuning, self.job = token, tuning, job
+        self.id = uuid.uuid4().hex[:12]
+        self.comm: Communicator | None = None
+        self.generation: Generation | None = None
+        self._server = server
+        self._poll = 0.02
+
+    @classmethod
+    async def connect(cls, *, min_nodes: int | None = None, max_nodes: int | None = None,
+                      rendezvous: str | None = None, token: str | bytes | None = None,
+                      settle: float = 1.0, timeout: float = 60.0,
+                      tuning: Tuning | None = None, job: str = "elastic") -> ElasticGroup:
+        """Connect to the job's rendezvous server.
+
+        Arguments left ``None`` come from the environment the launcher sets
+        (``asynccoll run --elastic``): ``ASYNCCOLL_MIN_NODES``, ``ASYNCCOLL_MAX_NODES``,
+        ``ASYNCCOLL_RENDEZVOUS`` (``host:port``; else ``ASYNCCOLL_ADDR``/``MASTER_ADDR`` and
+        ``ASYNCCOLL_PORT``/``MASTER_PORT``) and ``ASYNCCOLL_TOKEN``.
+        """
+        from .rendezvous import RendezvousClient
+
+        min_nodes = min_nodes if min_nodes is not None else _env_int("ASYNCCOLL_MIN_NODES") or 1
+        max_nodes = max_nodes if max_nodes is not None else (
+            _env_int("ASYNCCOLL_MAX_NODES") or max(min_nodes, 1 << 16))
+        rendezvous = rendezvous or os.environ.get("ASYNCCOLL_RENDEZVOUS")
+        if not rendezvous:
+            host = (os.environ.get("ASYNCCOLL_ADDR") or os.environ.get("MASTER_ADDR")
+                    or "127.0.0.1")
+            port = os.environ.get("ASYNCCOLL_PORT") or os.environ.get("MASTER_PORT")
+            if not port:
+                raise ValueError("no rendezvous: pass rendezvous='host:port', set "
+                                 "ASYNCCOLL_RENDEZVOUS, or start under `asynccoll run --elastic`")
+            rendezvous = f"{host}:{port}"
+        host, _, port_s = rendezvous.rpartition(":")
+        if not host or not port_s.isdigit():
+            raise ValueError(f"rendezvous must be host:port, got {rendezvous!r}")
+        if min_nodes < 1 or max_nodes < min_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
+        token = token if token is not None else os.environ.get("ASYNCCOLL_TOKEN")
+        client = await RendezvousClient.connect(host, int(port_s), token=token, timeout=timeout)
+        return cls(client, min_nodes=min_nodes, max_nodes=max_nodes, settle=settle,
+                   timeout=timeout, token=token, tuning=tuning, job=job)
+
+    # ----------------------------------------------------------------------- rounds
+
+    async def current_round(self) -> int:
+        """The newest generation number in the store."""
+        try:
+            return int(await self.client.get(f"{PREFIX}/round", wait=False))
+        except KeyError:
+            _, value = await self.client.compare_set(f"{PREFIX}/round", None, b"0")
+            return int(value)
+
+    async def _open(self, number: int) -> None:
+        """Make ``number`` the newest generation, unless a newer one is already open."""
+        while True:
+            current = await self.current_round()
+            if current >= number:
+                return
+            ok, _ = await self.client.compare_set(f"{PREFIX}/round", str(current).encode(),
+                                                  str(number).encode())
+            if ok:
+                log.info("elastic: %s opened generation %d", self.id, number)
+                return
+
+    async def _join(self, g: int, deadline: float) -> Generation | None:
+        """Join generation ``g``; its roster once it closed, or None when this process is
+        not in it (then the caller tries the newest generation)."""
+        c = self.client
+        base = f"{PREFIX}/{g}"
+        prev = self.generation
+        index = await c.add(f"{base}/joined", 1) - 1
+        record = {"id": self.id, "gen": prev.number if prev else -1,
+                  "rank": prev.rank if prev else -1}
+        await c.set(f"{base}/m/{index}", json.dumps(record))
+        last_n, last_change = -1, time.monotonic()
+        while True:
+            try:
+                roster = json.loads(await c.get(f"{base}/closed", wait=False))
+                break
+            except KeyError:
+                pass
+            if await self.current_round() > g:
+                return None              # moved on before this one closed
+            n = int(await c.get(f"{base}/joined", wait=False))
+            now = time.monotonic()
+            if n != last_n:
+                last_n, last_change = n, now
+            if n >= self.max_nodes or (n >= self.min_nodes and now - last_change >= self.settle):
+                roster = await self._close(g, min(n, self.max_nodes))
+                break
+            if now > deadline:
+                raise RendezvousError(f"elastic generation {g}: {n} of at least "
+                                      f"{self.min_nodes} processes joined within "
+                                      f"{self.timeout:g} s")
+            await asyncio.sleep(self._poll)
+        if self.id not in roster:
+            if len(roster) < self.max_nodes:
+                await self._open(g + 1)  # came too late: ask the running world to take us in
+            else:
+                log.info("elastic: generation %d is full; %s waits as a spare", g, self.id)
+                while await self.current_round() <= g:
+                    if time.monotonic() > deadline:
+                        raise RendezvousError(f"spare {self.id} found no place within "
+                                              f"{self.timeout:g} s")
+                    await asyncio.sleep(10 * self._poll)
+            return None
+        old = set(prev.roster) if prev else set()
+        return Generation(g, roster.index(self.id), len(roster), tuple(roster),
+                          tuple(m for m in roster if m not in old))
+
+    async def _close(self, g: int, n: int) -> list[str]:
+        base = f"{PREFIX}/{g}"
+        records = [json.loads(await self.client.get(f"{base}/m/{i}", timeout=self.timeout))
+                   for i in range(n)]
+        order = sorted(range(n), key=lambda i: (records[i]["gen"] < 0, -records[i]["gen"],
+                                                records[i]["rank"], i))
+        roster = [records[i]["id"] for i in order]
+        _, value = await self.client.compare_set(f"{base}/closed", None,
+                                                 json.dumps(roster).encode())
+        return list(json.loads(value))
+
+    # ----------------------------------------------------------------------- worlds
+
+    async def form(self) -> Communicator:
+        """Leave the current world (if any) and join the next generation's.
+
+        Returns the new communicator (also :attr:`comm`); :attr:`generation` describes it.
+        Raises :class:`~asynccoll.RendezvousError` if no generation with ``min_nodes``
+        members forms within ``timeout``.
+        """
+        from .transport.tcp import tcp_store_world
+
+        if self.comm is not None:
+            old, self.comm = self.comm, None
+            await old.close()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            g = await self.current_round()
+            if self.generation is not None and g <= self.generation.number:
+                await self._open(self.generation.number + 1)
+                continue
+            gen = await self._join(g, deadline)
+            if gen is None:
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"no elastic generation formed within "
+                                          f"{self.timeout:g} s")
+                continue
+            try:
+                comm = await tcp_store_world(
+                    self.client, f"{PREFIX}/{g}", gen.rank, gen.world_size,
+                    timeout=self.timeout, token=self.token, job=f"{self.job}/{g}",
+                    tuning=self.tuning)
+            except Exception as exc:  # a member vanished while forming: try the next one
+                log.warning("elastic: generation %d failed to form (%s); trying the next", g,
+                            exc)
+                self.generation = gen
+                await self._open(g + 1)
+                continue
+            self.generation, self.comm = gen, comm
+            log.info("elastic: %s is rank %d of %d in generation %d", self.id, gen.rank,
+                     gen.world_size, g)
+            return comm
+
+    async def world_changed(self) -> bool:
+        """Whether a newer generation is open (a member asked to join, or one failed)."""
+        return self.generation is None or await self.current_round() > self.generation.number
+
+    async def should_reform(self) -> bool:
+        """Collective over the current world: True on every rank if any rank saw a newer
+        generation. Call at step boundaries, so that every rank moves at the same step."""
+        if self.comm is None:
+            return True
+        flag = np.array([await self.world_changed()])
+        await self.comm.all_reduce(flag, op=ReduceOp.BOR)
+        return bool(flag[0])
+
+    async def close(self) -> None:
+        """Leave: close the current world and the rendezvous connection."""
+        if self.comm is not None:
+            await self.comm.close()
+            self.comm = None
+        await self.client.close()
+
+    async def __aenter__(self) -> ElasticGroup:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+__all__ = ["ElasticGroup", "Generation"]

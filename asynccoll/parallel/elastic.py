@@ -1,0 +1,199 @@
+"""Elastic data-parallel training: go on when workers die or join, from the last commit.
+
+:class:`ElasticTrainer` drives a :class:`~asynccoll.parallel.DistributedModel` (any strategy)
+through the generations of an :class:`~asynccoll.elastic.ElasticGroup`:
+
+- Every ``commit_every`` steps it *commits*: every rank keeps a copy of the whole training
+  state (parameters, optimizer buffers, step count; ZeRO shards are all-gathered for it). A
+  failure loses at most the steps since the last commit.
+- When a collective fails (a member died: :class:`~asynccoll.PeerLostError`, or timed out),
+  every survivor falls back to its last commit, joins the next generation and the world
+  re-forms without the dead member.
+- At every ``check_every``-th step boundary the ranks agree (one small all_reduce) on whether
+  a newer generation is open, i.e. a process asked to join; if so they move together.
+- In a new world, the member with the newest commit (ties: the lowest rank) broadcasts it, the
+  model is rebuilt for the new world size by ``build(comm)`` and loads the state: shards are
+  re-cut for the new number of ranks (ZeRO too), newcomers get everything.
+
+What the run computes is then the same as one process doing the same steps on the whole
+batches, provided each step's batch is a function of the step number (``fn`` gets it) split
+evenly over the current world: survivors redo the steps lost since the last commit, with the
+same data. The one difference is floating-point rounding: averaging the gradient over 2 or 3
+ranks adds the same numbers in a different order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..collectives import Communicator
+from ..elastic import ElasticGroup
+from ..errors import CollectiveError
+from .data_parallel import DistributedModel
+
+log = logging.getLogger("asynccoll.parallel.elastic")
+
+T = TypeVar("T")
+
+State = tuple[int, np.ndarray, dict[str, np.ndarray], int]   # step, params, buffers, opt step
+
+
+class ElasticTrainer:
+    """Run training steps across the generations of ``group``.
+
+    Args:
+        group: this process's :class:`~asynccoll.elastic.ElasticGroup`.
+        build: makes the wrapped model for a new world: ``build(comm) -> DistributedModel``
+            (called again at every re-formation, with the new communicator).
+        commit_every: steps between commits (the most a failure can lose).
+        check_every: steps between checks for processes waiting to join.
+        max_reforms: give up (re-raise) after this many re-formations in a row without a
+            completed step.
+
+    Use::
+
+        async with await ElasticGroup.connect() as group:
+            trainer = ElasticTrainer(group, build, commit_every=10)
+            await trainer.start()
+            while trainer.step < total:
+                await trainer.run_step(lambda dist, step: dist.step(batch(step, dist.comm)))
+    """
+
+    def __init__(self, group: ElasticGroup, build: Callable[[Communicator], DistributedModel],
+                 *, commit_every: int = 10, check_every: int = 1, max_reforms: int = 10) -> None:
+        if commit_every < 1 or check_every < 1:
+            raise ValueError("commit_every and check_every must be >= 1")
+        self.group = group
+        self.build = build
+        self.commit_every = commit_every
+        self.check_every = check_every
+        self.max_reforms = max_reforms
+        self.step = 0
+        self.reforms = 0
+        self.dist: DistributedModel | None = None
+        self._commit: State | None = None
+        self._since_check = 0
+        self._failed_in_a_row = 0
+        #: (generation, world size, step resumed from) for every world this process was in
+        self.history: list[tuple[int, int, int]] = []
+
+    @property
+    def comm(self) -> Communicator:
+        if self.group.comm is None:
+            raise RuntimeError("not started: await trainer.start() first")
+        return self.group.comm
+
+    async def start(self) -> None:
+        """Join the first generation (or the running job) and get the current state."""
+        for attempt in range(self.max_reforms + 1):
+            try:
+                await self._reform()
+                return
+            except CollectiveError as exc:
+                if attempt == self.max_reforms:
+                    raise
+                log.warning("elastic: joining failed (%s); trying the next generation", exc)
+
+    async def run_step(self, fn: Callable[[DistributedModel, int], Awaitable[T]]) -> T:
+        """Run ``await fn(dist, step)`` (one training step), re-forming the world first if a
+        process is waiting to join, and retrying from the last commit in a new world if a
+        member fails. Returns what ``fn`` returned."""
+        while True:
+            try:
+                if self.dist is None:
+                    await self._reform()
+                    continue
+                if self._since_check == 0:
+                    # every rank of a world comes here at the same step (the counter restarts
+                    # with each world), so they all take part in the check
+                    if await self.group.should_reform():
+                        log.info("elastic: a process is waiting to join; re-forming at step %d",
+                                 self.step)
+                        await self.commit()
+                        await self._reform()
+                        continue
+                assert self.dist is not None
+                out = await fn(self.dist, self.step)
+                self.step += 1
+                self._since_check = (self._since_check + 1) % self.check_every
+                if self.step % self.commit_every == 0:
+                    await self.commit()
+                self._failed_in_a_row = 0
+                return out
+            except CollectiveError as exc:
+                self._failed_in_a_row += 1
+                if self._failed_in_a_row > self.max_reforms:
+                    raise
+                log.warning("elastic: step %d failed (%s); re-forming from the commit of "
+                            "step %s", self.step, exc, self._commit[0] if self._commit else "-")
+                self.dist = None
+
+    async def commit(self) -> None:
+        """Keep a copy of the whole training state on every rank (a collective)."""
+        assert self.dist is not None
+        params, buffers, opt_step = await self.dist.full_state()
+        self._commit = (self.step, params, buffers, opt_step)
+
+    @property
+    def committed_step(self) -> int | None:
+        return None if self._commit is None else self._commit[0]
+
+    async def _reform(self) -> None:
+        self.dist = None
+        self._since_check = 0
+        comm = await self.group.form()
+        self.reforms += 1
+        # who has the newest commit? (newcomers have none)
+        mine = -1 if self._commit is None else self._commit[0]
+        steps = await comm.all_gather_object(mine)
+        best = max(steps)
+        root = steps.index(best)
+        dist = self.build(comm)
+        if best < 0:
+            await dist.start()                  # a fresh job: rank 0's initial parameters
+            self.step = 0
+            self.dist = dist
+            await self.commit()
+        else:
+            if comm.rank == root:
+                assert self._commit is not None
+                _, params, buffers, opt_step = self._commit
+                meta = {"size": int(params.size), "dtype": params.dtype.str,
+                        "buffers": sorted(buffers), "opt_step": opt_step}
+            else:
+                meta = None
+            meta = await comm.broadcast_object(meta, root=root)
+            if comm.rank != root:
+                params = np.empty(meta["size"], np.dtype(meta["dtype"]))
+                buffers = {k: np.empty_like(params) for k in meta["buffers"]}
+            await comm.broadcast(params, root=root)
+            for k in meta["buffers"]:
+                await comm.broadcast(buffers[k], root=root)
+            dist.load_full_state(params, buffers, int(meta["opt_step"]))
+            self.step = best
+            self._commit = (best, params, buffers, int(meta["opt_step"]))
+            self.dist = dist
+        gen = self.group.generation
+        assert gen is not None
+        self.history.append((gen.number, gen.world_size, self.step))
+        log.info("elastic: generation %d, rank %d of %d, resuming at step %d", gen.number,
+                 gen.rank, gen.world_size, self.step)
+
+
+async def run_elastic(group: ElasticGroup, build: Callable[[Communicator], DistributedModel],
+                      step_fn: Callable[[DistributedModel, int], Awaitable[Any]], steps: int,
+                      *, commit_every: int = 10, check_every: int = 1) -> ElasticTrainer:
+    """Train ``steps`` steps with :class:`ElasticTrainer`; returns the trainer (its ``dist``
+    holds the final model)."""
+    trainer = ElasticTrainer(group, build, commit_every=commit_every, check_every=check_every)
+    await trainer.start()
+    while trainer.step < steps:
+        await trainer.run_step(step_fn)
+    return trainer
+
+
+__all__ = ["ElasticTrainer", "run_elastic"]

@@ -1,0 +1,259 @@
+"""What the communicators of one ``"mpi"`` world share (see :mod:`asynccoll.transport.mpi`).
+
+:class:`MpiWorld` holds the world's control communicator (abort messages), the failure that
+broke the world, the user-defined reduction ops, the sends still in flight and the requests of
+failed operations; :func:`import_mpi` imports mpi4py lazily, naming the extra to install. Also
+the buffer and header helpers of the communicator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .._progress import poll
+from ..errors import CollectiveError, CollectiveTimeout
+from ..ops import ReduceOp, combine_ordered
+from ..wire import MAX_NDIM, SUPPORTED_DTYPES, dtype_code
+
+log = logging.getLogger("asynccoll.mpi")
+
+_INSTALL_HINT = ('the "mpi" backend needs mpi4py and an MPI library (Open MPI or MPICH): '
+                 'pip install "asynccoll[mpi]", then start the processes with mpirun/mpiexec')
+
+#: tag of the abort messages on the world's ``ctrl`` communicator
+_ABORT_TAG = 3
+#: MPI datatype names of the dtypes MPI reduces natively (bool is reduced as uint8)
+_NATIVE_TYPES = {"|b1": "UINT8_T", "|i1": "INT8_T", "<i2": "INT16_T", "<i4": "INT32_T",
+                 "<i8": "INT64_T", "|u1": "UINT8_T", "<u2": "UINT16_T", "<u4": "UINT32_T",
+                 "<u8": "UINT64_T", "<f4": "FLOAT", "<f8": "DOUBLE",
+                 "<c8": "C_FLOAT_COMPLEX", "<c16": "C_DOUBLE_COMPLEX"}
+_NATIVE_OPS = {ReduceOp.SUM: "SUM", ReduceOp.AVG: "SUM", ReduceOp.PROD: "PROD",
+               ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX", ReduceOp.BAND: "BAND",
+               ReduceOp.BOR: "BOR", ReduceOp.BXOR: "BXOR"}
+#: bool as uint8 (0/1): SUM/MAX are "or", PROD/MIN are "and", exactly as NumPy computes them
+_BOOL_OPS = {ReduceOp.SUM: "BOR", ReduceOp.MAX: "BOR", ReduceOp.BOR: "BOR",
+             ReduceOp.PROD: "BAND", ReduceOp.MIN: "BAND", ReduceOp.BAND: "BAND",
+             ReduceOp.BXOR: "BXOR"}
+
+
+def import_mpi() -> Any:
+    """``mpi4py.MPI`` (initialising MPI), or an ImportError naming the extra to install."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(f"{_INSTALL_HINT} ({exc})") from exc
+    return MPI
+
+
+def mpi_launched() -> bool:
+    """Whether this process looks started by an MPI launcher (without importing mpi4py)."""
+    import os
+
+    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
+                                         "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"))
+
+
+# -------------------------------------------------------------------- buffers and headers
+
+#: int64 words of an array header (dtype index, ndim, dims) in scatter / all_to_all
+_HEAD_WORDS = 2 + MAX_NDIM
+#: the dtypes a header can name, by index
+_DTYPES = tuple(sorted(SUPPORTED_DTYPES))
+#: MPI datatype names that move ``itemsize`` bytes per element (data movement only)
+_MOVE_TYPES = {1: "UINT8_T", 2: "UINT16_T", 4: "UINT32_T", 8: "UINT64_T", 16: "C_DOUBLE_COMPLEX"}
+
+
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a writable-if-``a``-is uint8 view."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def _header(a: np.ndarray) -> np.ndarray:
+    """Fixed-size int64 description of ``a``'s dtype and shape (scatter, all_to_all)."""
+    head = np.zeros(_HEAD_WORDS, np.int64)
+    head[0] = _DTYPES.index(dtype_code(a.dtype))
+    head[1] = a.ndim
+    head[2:2 + a.ndim] = a.shape
+    return head
+
+
+def _from_header(head: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    ndim = int(head[1])
+    return np.dtype(_DTYPES[int(head[0])]), tuple(int(n) for n in head[2:2 + ndim])
+
+
+# ----------------------------------------------------------------------------------- world
+
+class MpiWorld:
+    """What a world communicator and its subgroups share.
+
+    The ``ctrl`` communicator (abort messages), the failure that broke the world, the user
+    defined reduction ops (created lazily, one per dtype and op), sends still in flight, and
+    the requests of collectives that failed: MPI may still write into their buffers, so they
+    are kept alive here rather than garbage collected.
+
+    Attributes:
+        peer_loss: always ``"abort"``: a failure anywhere breaks the whole world.
+        broken: the error that broke the world, or ``None``.
+        bytes_sent: payload bytes this rank handed to MPI (its contribution to each
+            collective, and its sends); the traffic of MPI's own algorithms is not visible.
+    """
+
+    peer_loss = "abort"
+
+    def __init__(self, mpi: Any, ctrl: Any) -> None:
+        self.mpi = mpi
+        self.ctrl = ctrl
+        self.rank = int(ctrl.Get_rank())
+        self.world_size = int(ctrl.Get_size())
+        self.broken: CollectiveError | None = None
+        self.bytes_sent = 0
+        self._ops: dict[tuple[str, ReduceOp], Any] = {}
+        self._sends: list[tuple[list[Any], tuple[Any, ...]]] = []
+        self._abandoned: list[tuple[list[Any], tuple[Any, ...]]] = []
+        self._status = mpi.Status()
+        self._closed = False
+
+    # -- failures ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise if the world is broken, here or (per a ctrl message) on another rank."""
+        if self.broken is None and not self._closed:
+            self._read_aborts()
+        if self.broken is not None:
+            raise CollectiveError(f"the communicator is broken: {self.broken}")
+
+    def _read_aborts(self) -> None:
+        mpi = self.mpi
+        try:
+            if not self.ctrl.Iprobe(mpi.ANY_SOURCE, _ABORT_TAG, self._status):
+                return
+            src = self._status.Get_source()
+            buf = bytearray(self._status.Get_count(mpi.BYTE))
+            self.ctrl.Recv([buf, mpi.BYTE], src, _ABORT_TAG)
+            text = str(msgpack.unpackb(bytes(buf), raw=False))
+        except mpi.Exception as exc:  # the ctrl channel itself failed
+            text, src = f"MPI error on the abort channel: {exc}", -1
+        self.broken = CollectiveError(f"world rank {src} failed: {text}")
+
+    def abort(self, err: CollectiveError, *, notify: bool = True) -> None:
+        """Break the world with ``err``; tell every other rank (once)."""
+        if self.broken is not None:
+            return
+        self.broken = err
+        log.debug("mpi world rank %d breaks: %s", self.rank, err)
+        if not notify or self._closed:
+            return
+        mpi = self.mpi
+        data = bytearray(msgpack.packb(str(err)[:2000], use_bin_type=True))
+        reqs = []
+        for dst in range(self.world_size):
+            if dst != self.rank:
+                try:
+                    reqs.append(self.ctrl.Isend([data, mpi.BYTE], dst, _ABORT_TAG))
+                except mpi.Exception as exc:
+                    log.warning("could not tell world rank %d about a failure: %s", dst, exc)
+        self._abandoned.append((reqs, (data,)))
+
+    def abandon(self, reqs: list[Any], keep: tuple[Any, ...]) -> None:
+        """Requests of a failed operation: never freed, so MPI never writes into freed memory."""
+        if reqs or keep:
+            self._abandoned.append((list(reqs), keep))
+
+    # -- sends that outlive their call ---------------------------------------------------
+
+    def add_send(self, reqs: list[Any], keep: tuple[Any, ...]) -> None:
+        self.reap()
+        self._sends.append((reqs, keep))
+
+    def reap(self) -> None:
+        """Forget the sends that completed."""
+        if self._sends:
+            test = self.mpi.Request.Testall
+            self._sends = [s for s in self._sends if not test(s[0])]
+
+    # -- reductions ----------------------------------------------------------------------
+
+    def reduction(self, dtype: np.dtype[Any], op: ReduceOp) -> tuple[Any, Any, bool]:
+        """``(datatype, mpi_op, exact)`` to reduce ``dtype`` with ``op``.
+
+        ``exact``: the result does not depend on the order MPI combines in (integers, bool),
+        so ``MPI_Allreduce`` is bit-identical on every rank whatever its algorithm.
+        MPI has no float16 and no complex MIN/MAX, its float MIN/MAX do not propagate NaN as
+        NumPy does, and Open MPI 4.1 saturates 8/16-bit integer sums: those use user-defined
+        ops that call NumPy.
+        """
+        mpi = self.mpi
+        code = dtype_code(dtype)
+        kind = dtype.kind
+        if kind == "b":
+            return mpi.UINT8_T, getattr(mpi, _BOOL_OPS[op]), True
+        if kind in "iu":
+            if op is ReduceOp.SUM and dtype.itemsize <= 2:
+                # Open MPI 4.1's AVX kernels saturate 8- and 16-bit sums instead of wrapping
+                return getattr(mpi, _NATIVE_TYPES[code]), self._user_op(code, op), True
+            return getattr(mpi, _NATIVE_TYPES[code]), getattr(mpi, _NATIVE_OPS[op]), True
+        if code != "<f2" and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD):
+            return getattr(mpi, _NATIVE_TYPES[code]), getattr(mpi, _NATIVE_OPS[op]), False
+        carrier = mpi.UINT16_T if code == "<f2" else getattr(mpi, _NATIVE_TYPES[code])
+        return carrier, self._user_op(code, op), False
+
+    def _user_op(self, code: str, op: ReduceOp) -> Any:
+        got = self._ops.get((code, op))
+        if got is None:
+            dt = np.dtype(code)
+
+            def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                dst = np.frombuffer(inoutbuf, dt)
+                combine_ordered(dst, np.frombuffer(inbuf, dt), dst, op)
+
+            got = self._ops[(code, op)] = self.mpi.Op.Create(apply, commute=True)
+        return got
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    async def close(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for sends in flight, then free what MPI lets us free."""
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def sent() -> bool:
+            self.reap()
+            return not self._sends
+
+        def nothing() -> None:
+            return None
+
+        try:
+            if self.broken is not None:  # nobody is going to receive them
+                raise CollectiveTimeout("the world is broken")
+            await poll(sent, deadline=deadline, check=nothing,
+                       on_timeout=lambda: CollectiveTimeout("sends still in flight at close"))
+        except CollectiveTimeout:
+            if self._sends and self.broken is None:
+                log.warning("closing with %d send(s) no rank received", len(self._sends))
+            self._abandoned.extend(self._sends)
+            self._sends = []
+        self._closed = True
+        if self.broken is None:
+            for mop in self._ops.values():
+                mop.Free()
+            self._ops.clear()
+            _free(self.mpi, self.ctrl)
+
+
+def _free(mpi: Any, comm: Any) -> None:
+    try:
+        comm.Free()
+    except mpi.Exception as exc:  # freeing is best effort: the communicator is unusable anyway
+        log.debug("MPI_Comm_free failed: %s", exc)
+
+
+__all__ = ["MpiWorld", "import_mpi", "mpi_launched"]

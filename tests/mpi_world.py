@@ -1,0 +1,282 @@
+"""MPI-specific checks of the ``"mpi"`` backend, run by every process of an MPI job.
+
+Not collected by a plain ``pytest`` (the name does not match ``test_*.py``):
+``tests/test_mpi.py`` starts ``mpirun -n 3 python -m pytest tests/mpi_world.py ...``. Each test
+runs its ``fn`` on this process's rank through ``conftest.run_world(fn, 3, "mpi")``, which
+all-gathers the per-rank results, so the assertions after it see every rank's outcome. Outside
+an MPI job every test here skips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import MPI_WORLD_SIZE, run_world
+
+import asynccoll
+from asynccoll import (
+    CollectiveError,
+    CollectiveTimeout,
+    Communicator,
+    CommunicatorClosedError,
+    ReduceOp,
+)
+
+pytestmark = pytest.mark.skipif(MPI_WORLD_SIZE != 3,
+                                reason="runs in a 3-process MPI job (tests/test_mpi.py starts it)")
+
+W = 3
+
+
+async def test_mpi_init_takes_the_world_from_mpi() -> None:
+    from mpi4py import MPI
+
+    async def fn(comm: Communicator) -> tuple[int, int, str]:
+        return comm.rank, comm.world_size, comm.backend
+
+    got = await run_world(fn, W, "mpi")
+    assert got == [(r, W, "mpi") for r in range(W)]
+    me = MPI.COMM_WORLD.Get_rank()
+    with pytest.raises(ValueError, match="rank"):
+        await asynccoll.init(backend="mpi", rank=me + 1)
+    with pytest.raises(ValueError, match="world_size"):
+        await asynccoll.init(backend="mpi", world_size=W + 1)
+    with pytest.raises(ValueError, match="addr"):
+        await asynccoll.init(backend="mpi", addr="127.0.0.1")
+
+
+async def test_mpi_many_collectives_in_flight_issue_in_call_order() -> None:
+    """Forty collectives of mixed kinds (one and two MPI stages, some with a size exchange)
+    gathered at once: MPI sees them in the same order on every rank."""
+    def inputs(r: int) -> list[Any]:
+        rng = np.random.default_rng(r)
+        return [rng.standard_normal(1000 + 37 * k) for k in range(10)]
+
+    async def fn(comm: Communicator) -> list[Any]:
+        r = comm.rank
+        coros: list[Any] = []
+        for k, a in enumerate(inputs(r)):
+            coros += [comm.all_reduce(a),                       # float: two stages
+                      comm.all_reduce(np.full(k + 1, r, np.int64)),
+                      comm.all_gather(np.full((r + k, 2), r, np.int16)),
+                      comm.broadcast_object({"k": k, "from": r}, root=k % W)]
+        return await asyncio.gather(*coros)
+
+    got = await run_world(fn, W, "mpi")
+    per_rank = [inputs(r) for r in range(W)]
+    for k in range(10):
+        total = sum(per_rank[r][k] for r in range(W))
+        for r in range(W):
+            res = got[r][4 * k:4 * k + 4]
+            np.testing.assert_allclose(res[0], total, rtol=1e-12)
+            assert res[0].tobytes() == got[0][4 * k].tobytes(), "ranks differ"
+            np.testing.assert_array_equal(res[1], np.full(k + 1, sum(range(W))))
+            np.testing.assert_array_equal(
+                res[2], np.concatenate([np.full((j + k, 2), j, np.int16) for j in range(W)]))
+            assert res[3] == {"k": k, "from": k % W}
+
+
+async def test_mpi_barrier_nobody_leaves_before_everyone_entered() -> None:
+    """Across processes: CLOCK_MONOTONIC is one clock for the processes of one machine."""
+    rounds = 4
+
+    async def fn(comm: Communicator) -> list[tuple[float, float]]:
+        out = []
+        for k in range(rounds):
+            await asyncio.sleep(0.05 * ((comm.rank + k) % W == 0))  # a different straggler
+            entered = time.monotonic()
+            await comm.barrier()
+            out.append((entered, time.monotonic()))
+        return out
+
+    got = await run_world(fn, W, "mpi")
+    for k in range(rounds):
+        assert min(got[r][k][1] for r in range(W)) >= max(got[r][k][0] for r in range(W))
+
+
+async def test_mpi_mismatched_signatures_fail_everywhere_before_data_moves() -> None:
+    async def fn(comm: Communicator) -> tuple[str, bool]:
+        a = np.full(4 + (comm.rank == 1), 7.0)
+        before = a.copy()
+        try:
+            await comm.all_reduce(a)
+        except CollectiveError as exc:
+            return str(exc), bool(np.array_equal(a, before))
+        return "no error", False
+
+    for r, (msg, untouched) in enumerate(await run_world(fn, W, "mpi")):
+        assert "all_reduce" in msg and "(4,)" in msg and "(5,)" in msg, f"rank {r}: {msg}"
+        assert untouched, f"rank {r}: the buffer was written"
+
+
+async def test_mpi_mismatched_collectives_and_roots_fail_everywhere() -> None:
+    async def fn(comm: Communicator) -> list[str]:
+        out = []
+        sub = await comm.new_group([0, 1, 2])
+        assert sub is not None
+        try:
+            await sub.broadcast(np.zeros(3), root=0 if sub.rank else 1)
+        except CollectiveError as exc:
+            out.append(str(exc))
+        try:
+            await comm.barrier()
+        except CollectiveError as exc:
+            out.append(str(exc))
+        return out
+
+    for r, msgs in enumerate(await run_world(fn, W, "mpi")):
+        assert len(msgs) == 2, f"rank {r}: {msgs}"
+        assert "broadcast" in msgs[0]
+        assert "broken" in msgs[1], "a later call on the broken world must fail at once"
+
+
+async def test_mpi_timeout_and_the_others_learn_promptly() -> None:
+    """Ranks 1 and 2 wait for rank 0, who never comes: CollectiveTimeout after ``timeout``
+    (or, on one of them, the CollectiveError the other's abort message brings just before);
+    rank 0's next collective fails at once instead of waiting for its own timeout."""
+    async def fn(comm: Communicator) -> tuple[str, float]:
+        t0 = time.monotonic()
+        try:
+            if comm.rank == 0:
+                await asyncio.sleep(2.5)
+                await comm.barrier()
+            else:
+                await comm.all_reduce(np.ones(3))
+        except CollectiveError as exc:
+            return type(exc).__name__, time.monotonic() - t0
+        return "no error", 0.0
+
+    got = await run_world(fn, W, "mpi", timeout=1.0)
+    # both time out at about the same moment: one may learn of the other's failure first
+    assert "CollectiveTimeout" in (got[1][0], got[2][0]), got
+    for r in (1, 2):
+        assert got[r][0] in ("CollectiveTimeout", "CollectiveError"), got
+        assert 0.9 < got[r][1] < 2.4, got
+    assert got[0][0] == "CollectiveError" and got[0][1] < 3.4, got
+
+
+async def test_mpi_cancelled_collective_breaks_the_communicator_for_everyone() -> None:
+    async def fn(comm: Communicator) -> tuple[str, float]:
+        t0 = time.monotonic()
+        a = np.ones(100_000)
+        try:
+            if comm.rank == 0:
+                async with asyncio.timeout(0.3):
+                    await comm.all_reduce(a)
+            else:
+                await asyncio.sleep(1.0)
+                await comm.all_reduce(a)
+        except TimeoutError:
+            return "cancelled", time.monotonic() - t0
+        except CollectiveError as exc:
+            return type(exc).__name__ + ": " + str(exc), time.monotonic() - t0
+        return "no error", 0.0
+
+    got = await run_world(fn, W, "mpi", timeout=15.0)
+    assert got[0][0] == "cancelled" and got[0][1] < 1.0, got
+    for r in (1, 2):
+        assert got[r][0].startswith("CollectiveError") and "cancelled" in got[r][0], got
+        assert got[r][1] < 5.0, "the peers must not wait for their own timeout"
+
+
+async def test_mpi_send_recv_large_messages_never_wait_for_the_receiver() -> None:
+    """Everybody sends 8 MB to the right before anybody receives (MPI's rendezvous protocol
+    would block a plain MPI_Send here); tags reorder; 64-bit tags; 0-d and empty arrays."""
+    big = 1 << 20
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        r = comm.rank
+        right, left = (r + 1) % W, (r - 1) % W
+        await comm.send(np.arange(big, dtype=np.float64) + r, right, tag=1)
+        await comm.send(np.array(r + 0.5), right, tag=(1 << 63) - 1)
+        await comm.send(np.zeros((0, 3), np.complex64), right, tag=2)
+        a = np.full(5, r)
+        await comm.send(a, right, tag=3)
+        a[:] = -1  # the send took a copy
+        return [await comm.recv(left, tag=3), await comm.recv(left, tag=2),
+                await comm.recv(left, tag=(1 << 63) - 1), await comm.recv(left, tag=1)]
+
+    got = await run_world(fn, W, "mpi")
+    for r in range(W):
+        left = (r - 1) % W
+        np.testing.assert_array_equal(got[r][0], np.full(5, left))
+        assert got[r][1].shape == (0, 3) and got[r][1].dtype == np.complex64
+        assert got[r][2].shape == () and got[r][2] == left + 0.5
+        np.testing.assert_array_equal(got[r][3], np.arange(big, dtype=np.float64) + left)
+
+
+async def test_mpi_recv_timeout() -> None:
+    async def fn(comm: Communicator) -> str:
+        if comm.rank == 1:
+            try:
+                await comm.recv(0, tag=9)
+            except CollectiveTimeout as exc:
+                return str(exc)
+        await asyncio.sleep(1.2)
+        return ""
+
+    got = await run_world(fn, W, "mpi", timeout=0.5)
+    assert "recv from group rank 0 (tag 9)" in got[1]
+
+
+async def test_mpi_reductions_follow_numpy_semantics() -> None:
+    """NaN propagates through MIN/MAX as in NumPy; 8/16-bit sums wrap; float16 and complex
+    MIN/MAX work (user-defined ops); results are bit-identical on every rank."""
+    def data(r: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([5, r])
+        return {
+            "nan": np.array([1.0, np.nan if r == 1 else 2.0, -np.inf, 0.0]),
+            "i8": np.full(100, 100, np.int8),
+            "u16": np.full(100, 40000, np.uint16),
+            "f16": rng.uniform(-1, 1, 257).astype(np.float16),
+            "c64": (rng.standard_normal(9) + 1j * rng.standard_normal(9)).astype(np.complex64),
+        }
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        d = data(comm.rank)
+        return [await comm.all_reduce(d["nan"].copy(), ReduceOp.MIN),
+                await comm.all_reduce(d["nan"].copy(), ReduceOp.MAX),
+                await comm.all_reduce(d["i8"]), await comm.all_reduce(d["u16"]),
+                await comm.all_reduce(d["f16"].copy(), ReduceOp.SUM),
+                await comm.all_reduce(d["c64"].copy(), ReduceOp.MAX),
+                await comm.all_reduce(d["c64"].copy(), ReduceOp.PROD)]
+
+    got = await run_world(fn, W, "mpi")
+    every = [data(r) for r in range(W)]
+    expect = [np.minimum.reduce([e["nan"] for e in every]),
+              np.maximum.reduce([e["nan"] for e in every]),
+              np.add.reduce([e["i8"] for e in every], dtype=np.int8),
+              np.add.reduce([e["u16"] for e in every], dtype=np.uint16),
+              None,
+              np.maximum.reduce([e["c64"] for e in every]),
+              None]
+    for r in range(W):
+        for k, want in enumerate(expect):
+            assert got[r][k].tobytes() == got[0][k].tobytes(), f"case {k}: ranks differ"
+            if want is not None:
+                np.testing.assert_array_equal(got[r][k], want, err_msg=f"case {k}")
+        np.testing.assert_allclose(got[r][4], sum(e["f16"].astype(np.float64) for e in every),
+                                   atol=0.02)
+        np.testing.assert_allclose(got[r][6], np.multiply.reduce([e["c64"] for e in every]),
+                                   rtol=1e-5)
+
+
+async def test_mpi_closed_communicator_and_bytes_sent() -> None:
+    async def fn(comm: Communicator) -> tuple[int, int]:
+        before = comm.transport.bytes_sent
+        await comm.all_reduce(np.ones(10))
+        after = comm.transport.bytes_sent
+        sub = await comm.new_group([2, 0])
+        if sub is not None:
+            await sub.close()
+            await sub.close()  # idempotent
+            with pytest.raises(CommunicatorClosedError):
+                await sub.barrier()
+        return before, after
+
+    for before, after in await run_world(fn, W, "mpi"):
+        assert after - before == 80

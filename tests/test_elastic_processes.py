@@ -1,0 +1,86 @@
+"""Elastic training with real processes: ``asynccoll run --min-nodes 2 --max-nodes 4`` and
+``examples/elastic.py``; one worker is SIGKILLed mid-training, a new process joins later."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_launcher
+from test_launcher import REPO, Proc, clean_env, free_fixed_port, launcher
+
+reaper = test_launcher.reaper   # the fixture: every process started is killed at teardown
+
+EXAMPLE = str(REPO / "examples" / "elastic.py")
+PID = re.compile(r"^\[(\d+)\] PID (\d+)$")
+
+
+def finals(output: str) -> list[tuple[int, int, str]]:
+    return [(int(m.group(1)), int(m.group(2)), m.group(3)) for m in re.finditer(
+        r"FINAL steps=(\d+) size=(\d+) rank=\d+ digest=(\w+)", output)]
+
+
+def has(pattern: str) -> Callable[[list[str]], bool]:
+    rx = re.compile(pattern)
+    return lambda lines: any(rx.search(line) for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_kill_one_then_a_new_process_joins(reaper: Callable[..., Proc], tmp_path: Path) -> None:
+    port, token, steps = free_fixed_port(), "elastic-test", 400
+    common = ["--steps", str(steps), "--step-delay", "0.01", "--settle", "0.3",
+              "--commit-every", "10", "--out", str(tmp_path)]
+    job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "4", "--port",
+                          str(port), "--token", token, EXAMPLE, *common))
+    assert job.wait_for(has(r"STEP 50 "), 60), job.output
+    victim = next(int(m.group(2)) for line in job.lines if (m := PID.match(line))
+                  and m.group(1) == "2")
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait_for(has(r"WORLD gen=1 size=2"), 30), job.output
+
+    newcomer = reaper([sys.executable, EXAMPLE, *common], clean_env(
+        ASYNCCOLL_RENDEZVOUS=f"127.0.0.1:{port}", ASYNCCOLL_TOKEN=token,
+        ASYNCCOLL_MIN_NODES="2", ASYNCCOLL_MAX_NODES="4"))
+    assert newcomer.wait_for(has(r"WORLD gen=\d+ size=3"), 30), newcomer.output + job.output
+    assert newcomer.finish(90) == 0, newcomer.output
+    assert job.finish(60) == 0, job.output
+
+    out = job.output + "\n" + newcomer.output
+    got = finals(out)
+    assert len(got) == 3, out                       # two survivors and the newcomer
+    assert {(s, n) for s, n, _ in got} == {(steps, 3)}, got
+    assert len({d for _, _, d in got}) == 1, got    # identical parameters everywhere
+    resumed = [int(m) for m in re.findall(r"WORLD gen=1 size=2 rank=\d resumed_at=(\d+)", out)]
+    assert resumed and all(r % 10 == 0 and 50 <= r <= steps for r in resumed), out
+
+    replay = Proc([sys.executable, EXAMPLE, "--replay", "--steps", str(steps), "--out",
+                   str(tmp_path)], clean_env())
+    assert replay.finish(60) == 0, replay.output
+    want = np.load(tmp_path / "replay.npy")
+    saved = sorted(tmp_path.glob("final-*.npy"))
+    assert len(saved) == 3
+    for f in saved:
+        np.testing.assert_allclose(np.load(f), want, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.timeout(120)
+def test_launcher_restarts_a_failed_worker(reaper: Callable[..., Proc]) -> None:
+    job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "3", "--max-restarts",
+                          "1", EXAMPLE, "--steps", "300", "--step-delay", "0.01",
+                          "--settle", "0.3"))
+    assert job.wait_for(has(r"STEP 50 "), 60), job.output
+    victim = next(int(m.group(2)) for line in job.lines if (m := PID.match(line))
+                  and m.group(1) == "1")
+    os.kill(victim, signal.SIGKILL)
+    assert job.finish(90) == 0, job.output
+    out = job.output
+    assert "starting a replacement as [3]" in out, out
+    assert re.search(r"\[3\] WORLD gen=\d+ size=3", out), out      # the replacement joined
+    got = finals(out)
+    assert len(got) == 3 and len({d for _, _, d in got}) == 1, out

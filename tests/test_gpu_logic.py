@@ -1,0 +1,287 @@
+"""The ``"nccl"`` backend and CuPy host staging, against a CPU stand-in for CuPy and NCCL.
+
+These are not GPU tests (tests/test_nccl.py has those, and skips without a GPU): they run the
+backend's own logic (which reduction plan each dtype/op takes, pointer offsets of uneven
+blocks, grouped send/recv for gather/scatter/all-to-all, the TCP signature and header exchange,
+device flags of send/recv, subgroups) with tests/helpers/fake_cupy.py standing in for CuPy,
+ranks as threads of this process (each with its own event loop and a real TCP world).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import fake_cupy
+from test_collectives import ALL_DTYPES, make_input, ops_for, reference
+
+import asynccoll
+from asynccoll import CollectiveError, ReduceOp
+from asynccoll.gpu import HostStaged, is_device_array
+
+W = 3
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The fake ``cupy`` module (installed in ``sys.modules`` for the test)."""
+    return fake_cupy.install(monkeypatch)["cupy"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_nccl(fn: Callable[[Any], Awaitable[Any]], world_size: int = W, **kw: Any) -> list[Any]:
+    """``fn(comm)`` on every rank of a fake-NCCL world; ranks are threads with their own
+    event loops (the fake's collectives block until every rank called them)."""
+    from asynccoll.transport.nccl import nccl_init
+
+    port = _free_port()
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def rank(r: int) -> None:
+        async def main() -> Any:
+            comm = await nccl_init(rank=r, world_size=world_size, addr="127.0.0.1", port=port,
+                                   timeout=20.0, **kw)
+            try:
+                return await fn(comm)
+            finally:
+                await comm.close()
+
+        try:
+            results[r] = asyncio.run(main())
+        except BaseException as exc:  # reported below, in the test's thread
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+
+
+def dev(fake: Any, a: np.ndarray) -> Any:
+    return fake.asarray(a)
+
+
+# ---------------------------------------------------------------------------------- tests
+
+def test_reductions_every_dtype_and_op(fake: Any) -> None:
+    """all_reduce, reduce and reduce_scatter (even and uneven blocks) for every dtype and op:
+    native NCCL, complex viewed as float pairs, 16-bit integers widened, bool XOR as parity,
+    bitwise and complex PROD/MIN/MAX gathered and reduced locally."""
+    cases = [(d, op) for d in ALL_DTYPES for op in ops_for(d)]
+
+    async def fn(comm: Any) -> list[Any]:
+        out = []
+        for k, (dtype, op) in enumerate(cases):
+            a = dev(fake, make_input(dtype, (5, 7), k, comm.rank, op))
+            assert await comm.all_reduce(a, op) is a and is_device_array(a)
+            b = dev(fake, make_input(dtype, (4,), k, comm.rank, op))
+            got = await comm.reduce(b, root=1, op=op)
+            assert (got is b) == (comm.rank == 1)
+            c = dev(fake, make_input(dtype, (7, 2), k, comm.rank, op))
+            d = dev(fake, make_input(dtype, (6,), k, comm.rank, op))
+            out.append((a.get(), b.get(), (await comm.reduce_scatter(c, op)).get(),
+                        (await comm.reduce_scatter(d, op)).get()))
+        return out
+
+    got = run_nccl(fn)
+    for k, (dtype, op) in enumerate(cases):
+        def ref(shape: tuple[int, ...], k: int = k, dtype: str = dtype, op: ReduceOp = op
+                ) -> np.ndarray:
+            return reference(op, [make_input(dtype, shape, k, r, op) for r in range(W)])
+
+        for r in range(W):
+            a, b, c, d = got[r][k]
+            what = f"{dtype} {op} rank {r}"
+            np.testing.assert_array_equal(a, ref((5, 7)), err_msg=what, strict=True)
+            assert a.tobytes() == got[0][k][0].tobytes(), what
+            want_b = ref((4,)) if r == 1 else make_input(dtype, (4,), k, r, op)
+            np.testing.assert_array_equal(b, want_b, err_msg=what, strict=True)
+            np.testing.assert_array_equal(c, np.array_split(ref((7, 2)), W)[r], err_msg=what)
+            np.testing.assert_array_equal(d, np.array_split(ref((6,)), W)[r], err_msg=what)
+
+
+def test_data_movement_and_point_to_point(fake: Any) -> None:
+    async def fn(comm: Any) -> dict[str, Any]:
+        r = comm.rank
+        out: dict[str, Any] = {}
+        a = dev(fake, np.full(5, r, np.float16))
+        out["bcast"] = (await comm.broadcast(a, root=2)).get()
+        out["ag_uneven"] = (await comm.all_gather(dev(fake, np.full((r + 1, 2), r, np.int16)))
+                            ).get()
+        out["ag_even"] = (await comm.all_gather(dev(fake, np.full((2, 2), r + 0.5j)))).get()
+        into = dev(fake, np.zeros((3, 0), np.float32))
+        out["ag_empty"] = (await comm.all_gather(dev(fake, np.zeros((1, 0), np.float32)),
+                                                 out=into)).shape
+        g = await comm.gather(dev(fake, np.array(r + 1j, np.complex128)), root=1)
+        out["gather"] = None if g is None else [x.get() for x in g]
+        items = ([np.arange(3, dtype=np.int8), dev(fake, np.ones((2, 2), bool)),
+                  dev(fake, np.zeros((0,), np.uint64))] if r == 0 else None)
+        s = await comm.scatter(items, root=0)
+        out["scatter"] = (is_device_array(s), s.get() if is_device_array(s) else s)
+        send = [dev(fake, np.full(j + 1, 10 * r + j, np.int32)) if j % 2 else
+                np.full((j, 2), 10 * r + j, np.float64) for j in range(W)]
+        got = await comm.all_to_all(send)
+        out["a2a"] = [(is_device_array(x), x.get() if is_device_array(x) else x) for x in got]
+        await comm.barrier()
+        out["obj"] = await comm.all_gather_object({"r": r})
+        host = np.full(4, r + 1.0)
+        out["host"] = await comm.all_reduce(host)
+        right, left = (r + 1) % W, (r - 1) % W
+        await comm.send(dev(fake, np.arange(r, r + 3.0)), right, tag=5)
+        await comm.send(np.array([r]), right, tag=6)
+        x6 = await comm.recv(left, tag=6)
+        x5 = await comm.recv(left, tag=5)
+        out["p2p"] = (is_device_array(x5), x5.get(), is_device_array(x6), x6)
+        return out
+
+    got = run_nccl(fn)
+    for r in range(W):
+        o = got[r]
+        np.testing.assert_array_equal(o["bcast"], np.full(5, 2, np.float16))
+        np.testing.assert_array_equal(
+            o["ag_uneven"], np.concatenate([np.full((j + 1, 2), j, np.int16) for j in range(W)]))
+        np.testing.assert_array_equal(
+            o["ag_even"], np.concatenate([np.full((2, 2), j + 0.5j) for j in range(W)]))
+        assert o["ag_empty"] == (3, 0)
+        if r == 1:
+            assert [x.item() for x in o["gather"]] == [j + 1j for j in range(W)]
+        else:
+            assert o["gather"] is None
+        on_dev, s = o["scatter"]
+        assert on_dev == (r != 0)  # root 0 sent NumPy to itself, device arrays to 1 and 2
+        want = [np.arange(3, dtype=np.int8), np.ones((2, 2), bool), np.zeros((0,), np.uint64)]
+        np.testing.assert_array_equal(s, want[r], strict=True)
+        for j, (on_dev, x) in enumerate(o["a2a"]):
+            assert on_dev == (r % 2 == 1), (r, j)  # what rank j put at position r
+            want_x = (np.full(r + 1, 10 * j + r, np.int32) if r % 2
+                      else np.full((r, 2), 10 * j + r, np.float64))
+            np.testing.assert_array_equal(x, want_x, strict=True)
+        assert o["obj"] == [{"r": j} for j in range(W)]
+        assert isinstance(o["host"], np.ndarray) and not is_device_array(o["host"])
+        np.testing.assert_array_equal(o["host"], np.full(4, 6.0))
+        left = (r - 1) % W
+        assert o["p2p"][0] and not o["p2p"][2]
+        np.testing.assert_array_equal(o["p2p"][1], np.arange(left, left + 3.0))
+        np.testing.assert_array_equal(o["p2p"][3], np.array([left]))
+
+
+def test_subgroups_and_collectives_in_flight(fake: Any) -> None:
+    async def fn(comm: Any) -> Any:
+        r = comm.rank
+        sub = await comm.new_group([2, 0])
+        mine = None
+        if sub is not None:
+            mine = (sub.rank, (await sub.all_reduce(dev(fake, np.array([r + 1])))).get())
+            await sub.close()
+        coros = []
+        for k in range(4):
+            coros += [comm.all_reduce(dev(fake, np.full(3, r + k, np.float32))),
+                      comm.all_gather(dev(fake, np.full((r + k, 1), k, np.int64))),
+                      comm.all_reduce(dev(fake, np.full(2, r, np.int16)), ReduceOp.BXOR)]
+        got = [x.get() for x in await asyncio.gather(*coros)]
+        return mine, got
+
+    got = run_nccl(fn)
+    assert got[1][0] is None
+    assert got[2][0][0] == 0 and got[0][0][0] == 1
+    for r in (0, 2):
+        np.testing.assert_array_equal(got[r][0][1], [4])
+    for r in range(W):
+        for k in range(4):
+            a, g, x = got[r][1][3 * k:3 * k + 3]
+            np.testing.assert_array_equal(a, np.full(3, sum(j + k for j in range(W)), np.float32))
+            assert g.shape == (sum(j + k for j in range(W)), 1) and (g == k).all()
+            np.testing.assert_array_equal(x, np.full(2, 0 ^ 1 ^ 2, np.int16))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_signature_check_switch(fake: Any, check: bool) -> None:
+    async def fn(comm: Any) -> str:
+        a = dev(fake, np.ones(4 + (comm.rank == 1 and check)))
+        try:
+            await comm.all_reduce(a)
+            # without the check, what runs must still be right when the calls agree
+            return f"ok {a.get().tolist()} {(await comm.all_gather(a[:1])).get().tolist()}"
+        except CollectiveError as exc:
+            return str(exc)
+
+    got = run_nccl(fn, check_signatures=check)
+    if check:
+        assert all("(4,)" in m and "(5,)" in m for m in got), got
+    else:
+        assert got == ["ok [3.0, 3.0, 3.0, 3.0] [3.0, 3.0, 3.0]"] * W
+
+
+def test_host_staging_on_the_memory_backend(fake: Any) -> None:
+    async def fn(comm: Any) -> Any:
+        assert isinstance(comm, HostStaged)
+        r = comm.rank
+        a = dev(fake, np.full(3, r + 1.0))
+        assert await comm.all_reduce(a) is a
+        b = dev(fake, np.full(2, r))
+        got_b = await comm.reduce(b, root=0)
+        rs = await comm.reduce_scatter(dev(fake, np.arange(7.0)))
+        ag = await comm.all_gather(dev(fake, np.full((r + 1,), r)))
+        g = await comm.gather(dev(fake, np.array([r])), root=2)
+        s = await comm.scatter([dev(fake, np.array([j])) for j in range(W)] if r == 1 else None,
+                               root=1)
+        t = await comm.all_to_all([dev(fake, np.array([10 * r + j])) for j in range(W)])
+        bc = await comm.broadcast(dev(fake, np.array([r, r])), root=2)
+        await comm.send(dev(fake, np.array([r])), (r + 1) % W)
+        rcv = await comm.recv((r - 1) % W)
+        sub = await comm.new_group([1, 2])
+        return (a.get(), got_b is b, b.get(), rs.get(), ag.get(),
+                None if g is None else [x.get() for x in g], s, [x.get() for x in t], bc.get(),
+                rcv, sub is None or isinstance(sub, HostStaged),
+                all(is_device_array(x) for x in (rs, ag, *t)))
+
+    got = asyncio.run(asynccoll.run_local(fn, W, "memory", gpu_staging=True))
+    for r, o in enumerate(got):
+        np.testing.assert_array_equal(o[0], np.full(3, 6.0))
+        assert o[1] == (r == 0)
+        np.testing.assert_array_equal(o[2], np.full(2, 3 if r == 0 else r))
+        np.testing.assert_array_equal(o[3], np.array_split(np.arange(7.0) * W, W)[r])
+        np.testing.assert_array_equal(o[4], [0, 1, 1, 2, 2, 2])
+        assert (o[5] is None) == (r != 2)
+        np.testing.assert_array_equal(o[6], [r])  # a NumPy array: the receiver gave nothing
+        assert [x.item() for x in o[7]] == [10 * j + r for j in range(W)]
+        np.testing.assert_array_equal(o[8], [2, 2])
+        np.testing.assert_array_equal(o[9], [(r - 1) % W])
+        assert o[10] and o[11]
+
+
+def test_nccl_init_without_cupy_says_what_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(ImportError, match=r"CuPy with a CUDA GPU is required.*asynccoll\[gpu\]"):
+        asyncio.run(asynccoll.init(backend="nccl", rank=0, world_size=1))
+
+
+def test_dtype_plans_cover_every_dtype_and_op() -> None:
+    from asynccoll.transport.nccl import _plan
+
+    for dtype, op in itertools.product(ALL_DTYPES, ReduceOp):
+        if op not in ops_for(dtype):
+            continue
+        plan = _plan(np.dtype(dtype), op)
+        assert plan.kind in ("native", "widen", "gather"), (dtype, op)
+        if plan.kind != "gather":
+            assert plan.nccl_type and plan.nccl_op and plan.view

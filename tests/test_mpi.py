@@ -1,0 +1,176 @@
+"""The ``"mpi"`` backend, from an ordinary (non-MPI) pytest run.
+
+When ``mpirun``/``mpiexec`` and mpi4py are available, this starts MPI jobs as subprocesses:
+
+* the shared collective suite (tests/test_collectives.py, its ``mpi`` cases) under
+  ``mpirun -n N`` for N = 1, 2, 3, 4: each process runs the same tests in the same order, and
+  ``conftest.run_world(fn, n, "mpi")`` runs the cases whose world size is N (the others skip);
+* with N = 3, also the MPI-specific checks of tests/mpi_world.py (timeouts, cancellation,
+  signature mismatches, large sends, NumPy reduction semantics, barrier across processes);
+* a DDP / ZeRO-3 training run under ``mpirun -n 2`` (tests/helpers/mpi_ddp.py).
+
+Every process writes a JUnit report; the test asserts that every rank passed and ran a
+reasonable number of cases. Without MPI these tests skip, saying what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from conftest import MPI_WORLD_SIZE
+
+import asynccoll
+
+ROOT = Path(__file__).resolve().parents[1]
+#: seconds one mpirun job may take (on 2 busy cores the suites take ~5-20 s each)
+JOB_TIMEOUT = 420
+
+
+def _launcher() -> str | None:
+    return shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+def _why_no_mpi() -> str | None:
+    """None when MPI jobs can run here, else what is missing."""
+    if MPI_WORLD_SIZE is not None:
+        return "this pytest already runs inside an MPI job (no nested mpirun)"
+    if _launcher() is None:
+        return ("no mpirun/mpiexec on PATH (install Open MPI: apt-get install openmpi-bin "
+                "libopenmpi-dev)")
+    if importlib.util.find_spec("mpi4py") is None:
+        return 'mpi4py is not installed (pip install "asynccoll[mpi]")'
+    return None
+
+
+WHY_NO_MPI = _why_no_mpi()
+needs_mpi = pytest.mark.skipif(WHY_NO_MPI is not None, reason=f"MPI unavailable: {WHY_NO_MPI}")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    # Open MPI: allow root (containers, CI), more processes than cores, and no CMA single-copy
+    # (ptrace is often forbidden in containers); other MPIs ignore these
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK"):
+        env.pop(var, None)  # never inherit an enclosing job's identity
+    return env
+
+
+def _mpirun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
+    launcher = _launcher()
+    assert launcher is not None
+    try:
+        return subprocess.run([launcher, "-n", str(n), sys.executable, *args], cwd=ROOT,
+                              env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT,
+                              check=False)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(
+            errors="replace")
+        pytest.fail(f"mpirun -n {n} {' '.join(args)} ran past {JOB_TIMEOUT} s:\n{out[-4000:]}")
+
+
+def _counts(report: Path) -> dict[str, int]:
+    suite = ET.parse(report).getroot()
+    if suite.tag == "testsuites":
+        suite = suite[0]
+    return {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
+
+
+# (processes, extra test files, least number of cases that must have passed on each rank)
+SUITES = [(1, (), 20), (2, (), 30), (3, ("tests/mpi_world.py",), 40), (4, (), 30)]
+
+
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "extra", "least"), SUITES, ids=[f"n{s[0]}" for s in SUITES])
+def test_collective_suite_under_mpirun(tmp_path: Path, n: int, extra: tuple[str, ...],
+                                       least: int) -> None:
+    proc = _mpirun(n, "tests/helpers/mpi_pytest.py", str(tmp_path), "-q", "-p",
+                   "no:cacheprovider", "--color=no", "-o", "addopts=",
+                   "tests/test_collectives.py", *extra, "-k", "mpi")
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    reports = sorted(tmp_path.glob("rank*.xml"))
+    assert len(reports) == n, f"expected {n} reports, got {reports}:\n{tail}"
+    for report in reports:
+        counts = _counts(report)
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        assert counts["failures"] == counts["errors"] == 0, f"{report.name}: {counts}\n{tail}"
+        assert passed >= least, f"{report.name}: only {passed} cases ran: {counts}\n{tail}"
+    assert proc.returncode == 0, tail
+
+
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_ddp_and_zero3_train_under_mpirun() -> None:
+    proc = _mpirun(2, "tests/helpers/mpi_ddp.py", "ddp", "zero3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for strategy in ("ddp", "zero3"):
+        for r in range(2):
+            assert f"OK rank {r} {strategy}" in proc.stdout, out[-6000:]
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_a_plain_python_process_is_a_world_of_one() -> None:
+    """No launcher: MPI's singleton initialisation gives a world of one rank."""
+    code = ("import asyncio, numpy as np, asynccoll\n"
+            "async def main():\n"
+            "    async with await asynccoll.init(backend='mpi') as comm:\n"
+            "        a = await comm.all_reduce(np.arange(3.0))\n"
+            "        print(comm.rank, comm.world_size, a.tolist(),\n"
+            "              await comm.all_gather_object((1, 'x')))\n"
+            "asyncio.run(main())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split("\n")[0] == "0 1 [0.0, 1.0, 2.0] [[1, 'x']]"
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_info_reports_mpi() -> None:
+    proc = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("mpi"))
+    assert "available" in line and "unavailable" not in line, line
+
+
+# ------------------------------------------------------------------ without an MPI job
+
+async def test_mpi_backend_without_mpi4py_names_the_extra(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    with pytest.raises(ImportError, match=r"asynccoll\[mpi\]"):
+        await asynccoll.init(backend="mpi")
+
+
+async def test_mpi_backend_cannot_run_ranks_as_coroutines() -> None:
+    async def fn(comm: asynccoll.Communicator) -> None:
+        raise AssertionError("never runs")
+
+    with pytest.raises(ValueError, match="one event loop"):
+        await asynccoll.run_local(fn, 2, backend="mpi")
+
+
+def test_importing_the_mpi_backend_does_not_start_mpi() -> None:
+    code = ("import sys, asynccoll.transport.mpi as m\n"
+            "print(m.mpi_launched(), 'mpi4py.MPI' in sys.modules)\n")
+    env = _env()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False False"

@@ -1,0 +1,431 @@
+"""AsyncSGD with parameter servers: workers train without waiting for each other, servers
+apply pushes as they come, stale pushes are rejected or scaled as configured, a lost worker
+does not stop the others (``peer_loss="isolate"``), and one worker with ``max_staleness=0`` is
+exactly synchronous SGD."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import BACKENDS, LogWatch, run_world
+from test_launcher import REPO, clean_env
+from test_peer_loss import crash
+
+from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
+from asynccoll.parallel import MLP, SGD, Adam, FlatLayout, Optimizer
+from asynccoll.parallel.layout import split_bounds
+from asynccoll.parallel.model import Model
+from asynccoll.parallel.param_server import AsyncSGD, PushResult, ServerStats
+
+SIZES = [4, 16, 1]
+W_TRUE = np.random.default_rng(0).standard_normal((SIZES[0], 1))
+
+
+def regression(seed: int, n: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of the regression problem ``y = sin(x @ w)``."""
+    x = np.random.default_rng(seed).standard_normal((n, SIZES[0]))
+    return x, np.sin(x @ W_TRUE)
+
+
+TEST_SET = regression(12345, 512)
+
+
+def flatten(model: Model) -> np.ndarray:
+    return np.concatenate([model.parameters()[s.name].reshape(-1) for s in model.param_specs()])
+
+
+def flat_of(named: dict[str, np.ndarray], model: Model) -> np.ndarray:
+    return np.concatenate([named[s.name].reshape(-1) for s in model.param_specs()])
+
+
+# ------------------------------------------------------------------------------ training
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_one_server_three_workers_train_to_target(backend: str) -> None:
+    steps = 60
+    start = await MLP(SIZES, seed=0).loss(TEST_SET)
+
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=0 if comm.rank == 0 else comm.rank)   # server 0's wins
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1), max_staleness=4, stale="scale")
+        if opt.is_server:
+            return await opt.serve()
+        losses = [await opt.step(regression(1000 * comm.rank + s)) for s in range(steps)]
+        await opt.parameters()                  # the latest model, into `model`
+        final = await model.loss(TEST_SET)
+        await opt.finish()
+        return losses, final
+
+    stats, *workers = await run_world(rank, 4, backend)
+    assert isinstance(stats, ServerStats)
+    assert stats.done == (1, 2, 3) and stats.lost == ()
+    assert stats.version == stats.accepted + stats.scaled == 3 * steps - stats.rejected
+    assert stats.rejected == 0                      # "scale" never drops a push
+    for (losses, final), w in zip(workers, (1, 2, 3), strict=True):
+        assert stats.workers[w].accepted + stats.workers[w].scaled == steps
+        assert stats.workers[w].pulls == steps + 1      # + the final parameters()
+        assert losses[-1] < losses[0]
+        assert final < start / 10 and final < 0.03, (start, final)
+
+
+async def reference(opt: Optimizer, batches: list[Any]) -> np.ndarray:
+    """One process: the model bound to flat buffers, one optimizer over them."""
+    model = MLP(SIZES, seed=3)
+    lay = FlatLayout(model.param_specs(), 1, 0)
+    params, grads = flatten(model), np.zeros(lay.size)
+    model.bind(params=lay.views(params), grads=lay.views(grads))
+    for batch in batches:
+        grads.fill(0)
+        await model.forward_backward(batch)
+        opt.step(params, grads)
+    return params
+
+
+OPTIMIZERS: dict[str, Callable[[], Optimizer]] = {
+    "sgd": lambda: SGD(lr=0.05, momentum=0.9),
+    "adam": lambda: Adam(lr=0.01),
+}
+
+
+@pytest.mark.parametrize(("backend", "servers", "opt_name"), [
+    ("memory", (0,), "sgd"), ("memory", (0,), "adam"), ("memory", (0, 1), "sgd"),
+    ("memory", (2, 0), "adam"), ("tcp", (0, 1), "adam")])
+async def test_one_worker_with_zero_staleness_is_synchronous_sgd(
+        backend: str, servers: tuple[int, ...], opt_name: str) -> None:
+    batches = [regression(s, 16) for s in range(15)]
+    want = await reference(OPTIMIZERS[opt_name](), batches)
+    world = len(servers) + 1
+
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=3 if comm.rank == servers[0] else 50 + comm.rank)
+        opt = AsyncSGD(model, comm, servers=servers, optimizer=OPTIMIZERS[opt_name](),
+                       max_staleness=0)
+        if opt.is_server:
+            return await opt.serve()
+        for batch in batches:
+            await opt.step(batch)
+            assert [p.status for p in opt.last_push] == ["accepted"] * len(servers)
+        got = flat_of(await opt.parameters(), model)
+        await opt.finish()
+        return got
+
+    results = await run_world(rank, world, backend)
+    worker = next(r for r in results if isinstance(r, np.ndarray))
+    assert np.array_equal(worker, want)          # bit for bit
+    for r in results:
+        if isinstance(r, ServerStats):
+            assert r.accepted == r.version == len(batches) and r.rejected == r.scaled == 0
+
+
+# ------------------------------------------------------------------------------ staleness
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("max_staleness", "stale", "status", "factor"), [
+    (0, "reject", "rejected", 0.0),
+    (0, "scale", "scaled", 0.5),
+    (1, "reject", "accepted", 1.0),          # staleness 1 is within the bound
+    (None, "reject", "accepted", 1.0),       # Hogwild: everything is applied
+])
+async def test_interleaved_push_is_judged_by_its_staleness(
+        backend: str, max_staleness: int | None, stale: str, status: str,
+        factor: float) -> None:
+    """Worker 1 pulls version 0, worker 2 pulls version 0 and pushes (version 1), then worker
+    1 pushes its gradient of version 0: staleness 1, provably (the workers hand a token)."""
+    lr = 0.5
+    g1 = np.full(flatten(MLP(SIZES)).size, 0.25)
+    g2 = np.linspace(-1.0, 1.0, g1.size)
+
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=lr), max_staleness=max_staleness,
+                       stale=stale)
+        if opt.is_server:
+            stats = await opt.serve()
+            return stats, opt.local_parameters().copy()
+        token = np.zeros(1)
+        result: tuple[PushResult, ...]
+        if comm.rank == 1:
+            assert await opt.pull() == (0,)
+            await comm.send(token, dst=2, tag=7)
+            await comm.recv(src=2, tag=7)           # worker 2 has pushed
+            result = await opt.push(g1)
+        else:
+            await comm.recv(src=1, tag=7)
+            assert await opt.pull() == (0,)
+            result = await opt.push({s.name: g2[a:b].reshape(s.shape)
+                                     for s in model.param_specs()
+                                     for a, b in [opt.layout.offsets[s.name]]})
+            await comm.send(token, dst=1, tag=7)
+        await opt.finish()
+        return result
+
+    (stats, params), (push1,), (push2,) = await run_world(rank, 3, backend)
+    assert push2 == PushResult(server=0, status="accepted", staleness=0, version=1)
+    assert push1.status == status and push1.staleness == 1
+    applied = 2 if status != "rejected" else 1
+    assert push1.version == stats.version == applied
+    w1, w2 = stats.workers[1], stats.workers[2]
+    assert (w1.accepted, w1.scaled, w1.rejected) == (
+        int(status == "accepted"), int(status == "scaled"), int(status == "rejected"))
+    assert (w2.accepted, w2.scaled, w2.rejected) == (1, 0, 0)
+    assert w1.max_staleness == 1 and w2.max_staleness == 0
+    p0 = flatten(MLP(SIZES, seed=0))
+    np.testing.assert_allclose(params, p0 - lr * g2 - factor * lr * g1, rtol=0, atol=1e-14)
+
+
+async def test_scaled_step_shrinks_with_staleness() -> None:
+    """One worker pushes three gradients computed on version 0: staleness 0 and 1 are within
+    max_staleness=1, staleness 2 is applied at lr / 3."""
+    lr = 0.2
+
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=4)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=lr), max_staleness=1, stale="scale")
+        if opt.is_server:
+            return await opt.serve(), opt.local_parameters().copy()
+        await opt.pull()
+        g = np.ones(opt.layout.size)
+        got = [(await opt.push(g))[0] for _ in range(3)]
+        await opt.finish()
+        return got
+
+    (stats, params), pushes = await run_world(rank, 2, "memory")
+    assert [(p.status, p.staleness, p.version) for p in pushes] == [
+        ("accepted", 0, 1), ("accepted", 1, 2), ("scaled", 2, 3)]
+    assert (stats.accepted, stats.scaled, stats.rejected, stats.version) == (2, 1, 0, 3)
+    np.testing.assert_allclose(params, flatten(MLP(SIZES, seed=4)) - lr * (2 + 1 / 3),
+                               rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_hogwild_applies_every_push(backend: str) -> None:
+    steps = 25
+
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.05), max_staleness=None)
+        if opt.is_server:
+            return await opt.serve()
+        for s in range(steps):
+            await opt.step(regression(100 * comm.rank + s))
+            assert opt.last_push[0].status == "accepted"
+        await opt.finish()
+        return opt.steps
+
+    stats, *done = await run_world(rank, 4, backend)
+    assert done == [steps] * 3
+    assert stats.accepted == stats.version == 3 * steps
+    assert stats.rejected == stats.scaled == 0
+
+
+# ------------------------------------------------------------------------------ sharding
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_two_servers_each_hold_half(backend: str) -> None:
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=7 if comm.rank == 0 else 70 + comm.rank)   # server 0's wins
+        opt = AsyncSGD(model, comm, servers=(0, 1), optimizer=SGD(lr=0.1))
+        if opt.is_server:
+            serving = asyncio.ensure_future(opt.serve())
+            await comm.barrier()
+            stats = await serving
+            return stats, opt.local_parameters().copy()
+        initial = flat_of(await opt.parameters(), model)
+        await comm.barrier()                # both workers pulled before anyone pushes
+        for s in range(10):
+            await opt.step(regression(10 * comm.rank + s))
+        await opt.finish()
+        return initial
+
+    (s0, p0), (s1, p1), init2, init3 = await run_world(rank, 4, backend)
+    size = flatten(MLP(SIZES)).size
+    halves = split_bounds(size, 2)
+    assert (s0.shard, s1.shard) == (halves[0], halves[1])
+    assert (p0.size, p1.size) == (halves[0][1] - halves[0][0], halves[1][1] - halves[1][0])
+    assert p0.size + p1.size == size and abs(p0.size - p1.size) <= 1
+    want = flatten(MLP(SIZES, seed=7))
+    assert np.array_equal(init2, want) and np.array_equal(init3, want)
+    assert s0.version == s1.version == 20               # every push reached both servers
+    assert s0.done == s1.done == (2, 3)
+
+
+async def test_two_servers_union_is_the_whole_model() -> None:
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=8)
+        opt = AsyncSGD(model, comm, servers=(1, 2), optimizer=Adam(lr=0.01))
+        if opt.is_server:
+            await opt.serve()
+            return opt.local_parameters().copy()
+        for s in range(5):
+            await opt.step(regression(s))
+        got = flat_of(await opt.parameters(), model)
+        await opt.finish()
+        return got
+
+    worker, shard1, shard2 = await run_world(rank, 3, "memory")
+    assert np.array_equal(np.concatenate([shard1, shard2]), worker)
+
+
+# ------------------------------------------------------------------------------ failures
+
+async def test_killed_worker_does_not_stop_the_others(logs: LogWatch) -> None:
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1), max_staleness=8, stale="scale")
+        if opt.is_server:
+            return await opt.serve()
+        steps = 3 if comm.rank == 3 else 40
+        for s in range(steps):
+            await opt.step(regression(1000 * comm.rank + s))
+            if comm.rank != 3:
+                await asyncio.sleep(0.002)      # still training when rank 3 dies
+        if comm.rank == 3:
+            await crash(comm)
+            return "crashed"
+        await opt.parameters()
+        final = await model.loss(TEST_SET)
+        await opt.finish()
+        return final
+
+    stats, f1, f2, crashed = await run_world(rank, 4, "tcp", peer_loss="isolate")
+    assert crashed == "crashed"
+    assert stats.done == (1, 2) and stats.lost == (3,)
+    assert stats.workers[3].state == "lost" and stats.workers[3].error
+    assert stats.workers[3].accepted + stats.workers[3].scaled == 3
+    assert stats.workers[1].pushes == stats.workers[2].pushes == 40
+    assert f1 < 0.05 and f2 < 0.05
+    assert re.search(r"parameter server 0: lost worker 3", logs.text), logs.text
+
+
+async def test_timed_out_worker_is_dropped() -> None:
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1))
+        if opt.is_server:
+            comm.timeout = 1.0        # must exceed a worker's step: worker 2 breaks that
+            return await opt.serve()
+        await opt.step(regression(comm.rank))
+        if comm.rank == 2:
+            await asyncio.sleep(2.0)
+            comm.timeout = 1.0
+            with pytest.raises(CollectiveTimeout):    # the server no longer answers
+                await opt.step(regression(7))
+            return "gave up"
+        for s in range(10):
+            await opt.step(regression(s))
+        await opt.finish()
+        return opt.steps
+
+    stats, steps1, gave_up = await run_world(rank, 3, "tcp", peer_loss="isolate")
+    assert (steps1, gave_up) == (11, "gave up")
+    assert stats.done == (1,) and stats.lost == (2,)
+    assert "within 1 s" in (stats.workers[2].error or "")
+
+
+async def test_lost_worker_breaks_everything_without_isolation() -> None:
+    """The default peer_loss="abort": a lost worker fails the server too (the trade-off)."""
+    async def rank(comm: Communicator) -> Any:
+        opt = AsyncSGD(MLP(SIZES, seed=0), comm, optimizer=SGD(lr=0.1))
+        if opt.is_server:
+            return await opt.serve()
+        await opt.step(regression(comm.rank))
+        if comm.rank == 2:
+            await crash(comm)
+            return "crashed"
+        with pytest.raises(CollectiveError):        # PeerLostError, or its echo
+            for s in range(200):
+                await opt.step(regression(s))
+                await asyncio.sleep(0.01)
+        return "broken"
+
+    with pytest.raises(PeerLostError):
+        await run_world(rank, 3, "tcp")
+
+
+async def test_worker_with_another_model_is_refused() -> None:
+    async def rank(comm: Communicator) -> Any:
+        model = MLP([4, 8, 1] if comm.rank == 2 else SIZES, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1))
+        if opt.is_server:
+            return await opt.serve()
+        if comm.rank == 2:
+            with pytest.raises(CollectiveError, match=r"refused rank 2.*shard size"):
+                await opt.pull()
+            return "refused"
+        for s in range(5):
+            await opt.step(regression(s))
+        await opt.finish()
+        return "done"
+
+    stats, *results = await run_world(rank, 3, "memory")
+    assert results == ["done", "refused"]
+    assert stats.done == (1,) and stats.lost == (2,) and stats.workers[2].state == "failed"
+
+
+# ------------------------------------------------------------------------------ API
+
+async def test_arguments_and_roles() -> None:
+    async def rank(comm: Communicator) -> str:
+        model = MLP(SIZES)
+        with pytest.raises(ValueError, match="stale"):
+            AsyncSGD(model, comm, optimizer=SGD(lr=0.1), stale="drop")
+        with pytest.raises(ValueError, match="max_staleness"):
+            AsyncSGD(model, comm, optimizer=SGD(lr=0.1), max_staleness=-1)
+        with pytest.raises(ValueError, match="out of range"):
+            AsyncSGD(model, comm, servers=(5,), optimizer=SGD(lr=0.1))
+        with pytest.raises(ValueError, match="at least one worker"):
+            AsyncSGD(model, comm, servers=(0, 1), optimizer=SGD(lr=0.1))
+        with pytest.raises(ValueError, match="both servers and workers"):
+            AsyncSGD(model, comm, optimizer=SGD(lr=0.1), workers=(0, 1))
+        with pytest.raises(TypeError, match="Optimizer"):
+            AsyncSGD(model, comm, optimizer="sgd")  # type: ignore[arg-type]
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1))
+        assert opt.is_server == (comm.rank == 0) and opt.is_worker == (comm.rank == 1)
+        if opt.is_server:
+            with pytest.raises(RuntimeError, match="worker"):
+                await opt.step(regression(0))
+            await opt.serve()
+            with pytest.raises(RuntimeError, match="once"):
+                await opt.serve()
+            return "server"
+        with pytest.raises(RuntimeError, match="server"):
+            await opt.serve()
+        with pytest.raises(RuntimeError, match="before pull"):
+            await opt.push()
+        await opt.pull()
+        with pytest.raises(ValueError, match="elements"):
+            await opt.push(np.ones(3))
+        await opt.finish()
+        await opt.finish()                 # idempotent
+        with pytest.raises(RuntimeError, match="finish"):
+            await opt.pull()
+        return "worker"
+
+    assert await run_world(rank, 2, "memory") == ["server", "worker"]
+
+
+# ------------------------------------------------------------------------------ example
+
+@pytest.mark.timeout(120)
+def test_example_runs_under_the_launcher() -> None:
+    res = subprocess.run([sys.executable, "-m", "asynccoll", "run", "-n", "3",
+                          "examples/param_server.py", "--steps", "80"], cwd=REPO,
+                         env=clean_env(), capture_output=True, text=True, timeout=100,
+                         check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    finals = re.findall(r"worker (\d): test loss after 80 steps ([0-9.]+)", out)
+    assert sorted(w for w, _ in finals) == ["1", "2"], out
+    assert all(float(loss) < 0.05 for _, loss in finals), out
+    match = re.search(r"server 0: version (\d+), accepted (\d+), scaled (\d+), "
+                      r"rejected (\d+), lost \[\]", out)
+    assert match, out
+    version, accepted, scaled, rejected = map(int, match.groups())
+    assert accepted + scaled + rejected == 160 and version == accepted + scaled, out

@@ -1,0 +1,94 @@
+"""``peer_loss="isolate"``: losing one peer fails only what involves it; the rest of the world
+goes on (what parameter servers and elastic training need). The default, ``"abort"``, breaks
+the whole world, as collectives require."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import asynccoll
+from asynccoll import Communicator, PeerLostError
+from asynccoll._aio import close_server
+
+
+async def crash(comm: Communicator) -> None:
+    """Drop every connection of ``comm``'s rank without a goodbye, as a killed process would."""
+    t = comm.transport
+    if t._server is not None:  # type: ignore[attr-defined]
+        await close_server(t._server)  # type: ignore[attr-defined]
+    for conn in list(t._open):  # type: ignore[attr-defined]
+        conn._abort()
+
+
+async def test_isolate_keeps_the_survivors_talking() -> None:
+    async def rank(comm: Communicator) -> str:
+        pair = await comm.new_group([0, 1])
+        await comm.barrier()
+        if comm.rank == 2:
+            await crash(comm)
+            return "crashed"
+        if comm.rank == 0:
+            with pytest.raises(PeerLostError) as info:
+                await comm.recv(src=2)
+            assert info.value.rank == 2
+            with pytest.raises(PeerLostError):
+                await comm.send(np.ones(3), dst=2)
+                await asyncio.sleep(0.1)
+                await comm.send(np.ones(3), dst=2)
+        assert pair is not None
+        got = await pair.all_reduce(np.array([comm.rank + 1.0]))
+        if comm.rank == 0:
+            await comm.send(np.arange(3.0), dst=1, tag=5)
+        else:
+            assert (await comm.recv(src=0, tag=5)).tolist() == [0.0, 1.0, 2.0]
+        return f"sum {got[0]:g}"
+
+    got = await asynccoll.run_local(rank, 3, "tcp", timeout=10, peer_loss="isolate")
+    assert got == ["sum 3", "sum 3", "crashed"]
+
+
+async def test_abort_is_the_default() -> None:
+    async def rank(comm: Communicator) -> str:
+        await comm.barrier()
+        if comm.rank == 2:
+            await crash(comm)
+            return "crashed"
+        with pytest.raises(PeerLostError):
+            await comm.recv(src=2)
+        with pytest.raises(PeerLostError):       # the world is broken for everyone
+            await comm.all_reduce(np.ones(2))
+        return "broken"
+
+    got = await asynccoll.run_local(rank, 3, "tcp", timeout=10)
+    assert got == ["broken", "broken", "crashed"]
+
+
+async def test_isolated_recv_timeout_gives_up_on_that_peer_only() -> None:
+    async def rank(comm: Communicator) -> str:
+        if comm.rank == 1:
+            await asyncio.sleep(0.6)      # never sends; rank 0 stops waiting for it
+            await comm.send(np.ones(1), dst=2)
+            return "late"
+        if comm.rank == 0:
+            comm.timeout = 0.3
+            with pytest.raises(asynccoll.CollectiveTimeout):
+                await comm.recv(src=1)
+            with pytest.raises(PeerLostError):   # given up on: fails at once from now on
+                await comm.recv(src=1)
+            comm.timeout = 10
+            await comm.send(np.full(1, 7.0), dst=2)
+            return "gave up on 1"
+        a = await comm.recv(src=0)
+        b = await comm.recv(src=1)
+        return f"{a[0]:g} {b[0]:g}"
+
+    got = await asynccoll.run_local(rank, 3, "tcp", timeout=10, peer_loss="isolate")
+    assert got == ["gave up on 1", "late", "7 1"]
+
+
+async def test_bad_mode() -> None:
+    with pytest.raises(ValueError, match="peer_loss"):
+        await asynccoll.run_local(lambda c: asyncio.sleep(0), 2, "tcp", peer_loss="ignore")
