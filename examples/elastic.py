@@ -28,7 +28,7 @@ import numpy as np
 
 from asynccoll import Communicator
 from asynccoll.elastic import ElasticGroup
-from asynccoll.parallel import MLP, Adam, DistributedModel, FlatLayout, as_distributed
+from asynccoll.parallel import MLP, Adam, DistributedModel, as_distributed, train_locally
 from asynccoll.parallel.elastic import ElasticTrainer
 
 SIZES = [16, 32, 32, 4]
@@ -47,16 +47,8 @@ def digest(params: np.ndarray) -> str:
 
 async def replay(steps: int) -> np.ndarray:
     """The same steps in one process, on the whole batches."""
-    model = MLP(SIZES, seed=0)
-    lay = FlatLayout(model.param_specs(), 1, 0)
-    params = np.concatenate([model.parameters()[s.name].reshape(-1) for s in lay.specs])
-    grads = np.zeros_like(params)
-    model.bind(params=lay.views(params), grads=lay.views(grads))
-    opt = Adam(lr=3e-3)
-    for step in range(steps):
-        grads.fill(0)
-        await model.forward_backward(batch(step))
-        opt.step(params, grads)
+    _, params = await train_locally(MLP(SIZES, seed=0), Adam(lr=3e-3),
+                                    (batch(step) for step in range(steps)))
     return params
 
 

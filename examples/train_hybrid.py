@@ -19,7 +19,7 @@ import asyncio
 import numpy as np
 
 import asynccoll
-from asynccoll.parallel import MLP, Adam, FlatLayout
+from asynccoll.parallel import MLP, Adam, train_locally
 from asynccoll.parallel.hybrid import Hybrid
 
 SIZES = [16, 64, 64, 64, 64, 4]
@@ -32,16 +32,8 @@ def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 async def one_process(steps: int) -> np.ndarray:
-    model = MLP(SIZES, seed=0)
-    lay = FlatLayout(model.param_specs(), 1, 0)
-    params = np.concatenate([model.parameters()[s.name].reshape(-1) for s in lay.specs])
-    grads = np.zeros_like(params)
-    model.bind(params=lay.views(params), grads=lay.views(grads))
-    opt = Adam(lr=3e-3)
-    for step in range(steps):
-        grads.fill(0)
-        await model.forward_backward(batch(step))
-        opt.step(params, grads)
+    _, params = await train_locally(MLP(SIZES, seed=0), Adam(lr=3e-3),
+                                    (batch(step) for step in range(steps)))
     return params
 
 

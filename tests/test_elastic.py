@@ -12,7 +12,13 @@ from test_peer_loss import crash
 
 from asynccoll import Communicator
 from asynccoll.elastic import ElasticGroup
-from asynccoll.parallel import MLP, Adam, DistributedModel, FlatLayout, as_distributed
+from asynccoll.parallel import (
+    MLP,
+    Adam,
+    DistributedModel,
+    as_distributed,
+    train_locally,
+)
 from asynccoll.parallel.elastic import ElasticTrainer
 from asynccoll.rendezvous import RendezvousServer
 
@@ -30,16 +36,8 @@ def my_share(step: int, comm: Communicator) -> tuple[np.ndarray, ...]:
 
 
 async def replay(steps: int, make_opt: Any) -> np.ndarray:
-    model = MLP(SIZES, seed=0)
-    lay = FlatLayout(model.param_specs(), 1, 0)
-    params = np.concatenate([model.parameters()[s.name].reshape(-1) for s in lay.specs])
-    grads = np.zeros_like(params)
-    model.bind(params=lay.views(params), grads=lay.views(grads))
-    opt = make_opt()
-    for step in range(steps):
-        grads.fill(0)
-        await model.forward_backward(batch(step))
-        opt.step(params, grads)
+    _, params = await train_locally(MLP(SIZES, seed=0), make_opt(),
+                                    (batch(step) for step in range(steps)))
     return params
 
 

@@ -28,6 +28,7 @@ from asynccoll.parallel import (
     load_parameters,
     save_checkpoint,
     split_batch,
+    train_locally,
 )
 from asynccoll.parallel.compression import NoCompression
 from asynccoll.parallel.model import Model
@@ -54,14 +55,7 @@ def flatten(model: Model) -> np.ndarray:
 
 async def reference(opt: Optimizer, steps: int = STEPS) -> np.ndarray:
     """One process, whole batches: the model bound to flat buffers, one optimizer over them."""
-    model = MLP(SIZES, seed=3)
-    lay = FlatLayout(model.param_specs(), 1, 0)
-    params, grads = flatten(model), np.zeros(lay.size)
-    model.bind(params=lay.views(params), grads=lay.views(grads))
-    for batch in batches(steps):
-        grads.fill(0)
-        await model.forward_backward(batch)
-        opt.step(params, grads)
+    _, params = await train_locally(MLP(SIZES, seed=3), opt, batches(steps))
     return params
 
 

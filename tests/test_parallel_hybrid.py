@@ -7,7 +7,7 @@ import pytest
 from conftest import run_world
 
 from asynccoll import Communicator
-from asynccoll.parallel import MLP, SGD, Adam, FlatLayout, Optimizer
+from asynccoll.parallel import MLP, SGD, Adam, Optimizer, train_locally
 from asynccoll.parallel.hybrid import Hybrid, TensorParallelStage
 
 SIZES = [6, 9, 7, 5, 8, 3]      # 5 layers: uneven stages and uneven tensor splits
@@ -26,18 +26,7 @@ def make_opt(name: str) -> Optimizer:
 
 
 async def reference(opt_name: str) -> tuple[list[float], np.ndarray]:
-    model = MLP(SIZES, seed=2)
-    lay = FlatLayout(model.param_specs(), 1, 0)
-    params = np.concatenate([model.parameters()[s.name].reshape(-1) for s in lay.specs])
-    grads = np.zeros_like(params)
-    model.bind(params=lay.views(params), grads=lay.views(grads))
-    opt = make_opt(opt_name)
-    losses = []
-    for batch in batches():
-        grads.fill(0)
-        losses.append(await model.forward_backward(batch))
-        opt.step(params, grads)
-    return losses, params
+    return await train_locally(MLP(SIZES, seed=2), make_opt(opt_name), batches())
 
 
 CONFIGS = [  # (data, pipe, tensor, strategy, optimizer, micro-batches, schedule)

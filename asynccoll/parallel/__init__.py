@@ -26,6 +26,7 @@ from .distributed import (
 from .elastic import ElasticTrainer, run_elastic
 from .hybrid import Hybrid, TensorParallelStage
 from .layout import FlatLayout
+from .local import flat_parameters, train_locally
 from .mesh import Mesh, MeshCoords, MeshShape
 from .mlp import MLP
 from .model import Hooks, Model, NoHooks, ParamSpec, split_batch
@@ -109,6 +110,7 @@ __all__ = [
     "as_distributed_for_high_bandwidth",
     "as_distributed_for_low_bandwidth",
     "as_distributed_optimizer",
+    "flat_parameters",
     "load_checkpoint",
     "load_parameters",
     "make_compression",
@@ -119,4 +121,5 @@ __all__ = [
     "split_batch",
     "split_mlp",
     "split_sequential",
+    "train_locally",
 ]
