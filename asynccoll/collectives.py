@@ -564,7 +564,7 @@ class Communicator:
         """A point-to-point wait on world rank ``peer`` timed out: break the world, or, where
         the transport isolates lost peers (``peer_loss="isolate"``), give up on that peer."""
         t = self._transport
-        if getattr(t, "peer_loss", "abort") == "isolate":
+        if t.peer_loss == "isolate":
             t.mailbox.peer_lost(peer, PeerLostError(f"world rank {peer} stopped responding: "
                                                     f"{err}", rank=peer))
         else:

@@ -21,29 +21,18 @@ import argparse
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from workers import median_time  # benchmarks/ is on sys.path when run as a script
 
 from asynccoll.collectives import Communicator
 from asynccoll.transport.memory import MemoryWorld
 
 
-def median_time(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def numpy_add(n: int) -> float:
     a, b = np.ones(n, np.float32), np.ones(n, np.float32)
-    return median_time(lambda: np.add(a, b, out=a), 10)
+    return median_time(lambda: np.add(a, b, out=a), 10, 2)
 
 
 def numpy_floor(n: int, ranks: int, threads: int, chunk: int) -> float:
@@ -65,12 +54,12 @@ def numpy_floor(n: int, ranks: int, threads: int, chunk: int) -> float:
 
     if threads > 1:
         with ThreadPoolExecutor(threads) as pool:
-            return median_time(lambda: list(pool.map(job, range(ranks))), 7)
+            return median_time(lambda: list(pool.map(job, range(ranks))), 7, 2)
     def serial() -> None:
         for r in range(ranks):
             job(r)
 
-    return median_time(serial, 7)
+    return median_time(serial, 7, 2)
 
 
 def asynccoll_all_reduce(n: int, ranks: int, threads: int | None) -> float:

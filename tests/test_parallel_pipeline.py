@@ -19,7 +19,15 @@ from conftest import BACKENDS, run_world
 from test_launcher import REPO, clean_env
 
 from asynccoll import CollectiveError, Communicator
-from asynccoll.parallel import MLP, SGD, Adam, DistributedModel, FlatLayout, Optimizer, split_batch
+from asynccoll.parallel import (
+    MLP,
+    SGD,
+    Adam,
+    DistributedModel,
+    Optimizer,
+    split_batch,
+    train_locally,
+)
 from asynccoll.parallel.mesh import Mesh
 from asynccoll.parallel.pipeline import (
     SCHEDULES,
@@ -53,15 +61,7 @@ async def reference(opt: Optimizer, data: list[Any], **mlp_kw: Any
                     ) -> tuple[list[float], dict[str, np.ndarray]]:
     """One process, whole batches: the losses and the final parameters."""
     model = MLP(mlp_kw.pop("sizes", SIZES), seed=3, **mlp_kw)
-    lay = FlatLayout(model.param_specs(), 1, 0)
-    params = np.concatenate([model.parameters()[s.name].reshape(-1) for s in lay.specs])
-    grads = np.zeros(lay.size)
-    model.bind(params=lay.views(params), grads=lay.views(grads))
-    losses = []
-    for batch in data:
-        grads.fill(0)
-        losses.append(await model.forward_backward(batch))
-        opt.step(params, grads)
+    losses, _ = await train_locally(model, opt, data)
     return losses, {k: v.copy() for k, v in model.parameters().items()}
 
 

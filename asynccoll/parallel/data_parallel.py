@@ -486,7 +486,6 @@ class DistributedModel:
 
     async def _reduce_scatter(self, b: Bucket) -> None:
         buf = self._grad_buffers[b.index]
-        self._release_units(self.layout.bucket_units(b), params=False)
         mine = await self.comm.reduce_scatter(buf, op=ReduceOp.AVG)
         assert self._shard_grads is not None
         self.layout.shard_block(self._shard_grads, self.rank, b)[...] += mine

@@ -245,8 +245,7 @@ def _isolates_peers(comm: Communicator) -> bool:
     """Whether a failure on one peer's channel concerns that peer only: the transport
     isolates lost peers (``peer_loss="isolate"``) and the world as a whole is not broken."""
     transport = comm.transport
-    return (getattr(transport, "peer_loss", "abort") == "isolate"
-            and getattr(transport, "broken", None) is None)
+    return transport.peer_loss == "isolate" and transport.broken is None
 
 
 async def _all(coros: Sequence[Awaitable[T]]) -> list[T]:

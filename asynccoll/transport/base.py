@@ -382,6 +382,9 @@ class Transport(abc.ABC):
         #: whether borrowing receives get the sender's memory itself (see the module doc):
         #: ranks share an address space, so reading a peer's data costs no transfer
         self.lends = False
+        #: what losing a peer does: ``"abort"`` breaks the world, ``"isolate"`` fails only
+        #: what involves that peer (transports that support it: tcp)
+        self.peer_loss = "abort"
 
     # -- to implement ---------------------------------------------------------------------
 
