@@ -100,15 +100,27 @@ class _Watchdog:
     A task runs at most one collective at a time, so tasks identify collectives.
     """
 
-    __slots__ = ("_deadlines", "_expired", "_handle")
+    __slots__ = ("_deadlines", "_expired", "_handle", "_loop")
 
     def __init__(self) -> None:
         self._deadlines: dict[asyncio.Task[Any], float] = {}
         self._expired: set[asyncio.Task[Any]] = set()
         self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def current_task(self) -> asyncio.Task[Any]:
+        """The running task. The loop is looked up once: ``asyncio.get_running_loop`` (which
+        ``asyncio.current_task()`` calls) costs a getpid() system call on Python 3.11."""
+        loop = self._loop
+        task = asyncio.current_task(loop) if loop is not None else None
+        if task is None:  # first call, or called from another loop than before
+            self._loop = asyncio.get_running_loop()
+            task = asyncio.current_task(self._loop)
+            assert task is not None
+        return task
 
     def watch(self, task: asyncio.Task[Any], timeout: float) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         deadline = loop.time() + timeout
         self._deadlines[task] = deadline
         if self._handle is None or deadline < self._handle.when():
@@ -130,7 +142,7 @@ class _Watchdog:
 
     def _fire(self) -> None:
         self._handle = None
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         now = loop.time()
         earliest = None
         for task, deadline in list(self._deadlines.items()):
@@ -224,24 +236,24 @@ class Communicator:
             raise CommunicatorClosedError("the communicator was closed")
         t = self._transport
         seq = self._seq
-        if t._closed or t.mailbox.error is not None:
+        if t._closed or t.mailbox._error is not None:
             # a failure in a later collective lets this one finish if every rank got past it
             t.check_usable(self._group, seq)
         self._seq += 1
         call = Call(t, self._ranks, self._group, self._rank, seq, sig, self.tuning)
-        if self.world_size == 1:
+        size = call.size
+        if size == 1:
             return await body(call)
         t.mailbox.begin(self._group, seq, sig)
         scope = (self._group, seq)
-        task = asyncio.current_task()
-        assert task is not None
         watchdog = self._watchdog
+        task = watchdog.current_task()
         watchdog.watch(task, self.timeout)
         try:
             if not agree:
                 return await body(call)
             # nobody returns before the agreement completed
-            if self.world_size == 2:
+            if size == 2:
                 # a single round: its frames go out before the data (the peer never waits for
                 # them behind a large payload), and nothing needs to drive it alongside the data
                 first = begin_barrier(call, AGREE_STEP)
@@ -323,7 +335,7 @@ class Communicator:
             finish(a, op, call.size)
             return a
 
-        return await self._run(("reduce", *_sig_array(a), op.value, root, algo), body, agree=True)
+        return await self._run(("reduce", *_sig_array(a), op._value_, root, algo), body, agree=True)
 
     async def all_reduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
         """Reduce ``array`` over all ranks, in place on every rank; returns ``array``.
@@ -353,7 +365,7 @@ class Communicator:
             finish(a, op, call.size)
             return a
 
-        return await self._run(("all_reduce", *_sig_array(a), op.value, algo), body)
+        return await self._run(("all_reduce", *_sig_array(a), op._value_, algo), body)
 
     async def reduce_scatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
         """Reduce ``array`` over all ranks and return this rank's block of the result.
@@ -381,7 +393,7 @@ class Communicator:
             first, last = row_bounds(a.shape[0], 1, call.size)[call.rank]
             return out.reshape(last - first, *a.shape[1:])
 
-        return await self._run(("reduce_scatter", *_sig_array(a), op.value, algo), body)
+        return await self._run(("reduce_scatter", *_sig_array(a), op._value_, algo), body)
 
     async def _gather_blocks(self, call: Call, a: np.ndarray, algo: str,
                              out: np.ndarray | None = None) -> np.ndarray | list[np.ndarray]:

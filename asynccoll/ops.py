@@ -20,6 +20,10 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
+    # members are singletons: identity hashing is exact, and C-fast (Enum's own __hash__ is
+    # Python code, paid on every dict lookup of the per-call reduction path)
+    __hash__ = object.__hash__
+
 
 _UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
@@ -33,6 +37,10 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 
 
+_AVG = ReduceOp.AVG
+_BITWISE = frozenset((ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR))
+
+
 def check_op(op: Any, dtype: np.dtype[Any]) -> ReduceOp:
     """Validate ``op`` for ``dtype``; return it as a :class:`ReduceOp`.
 
@@ -41,10 +49,9 @@ def check_op(op: Any, dtype: np.dtype[Any]) -> ReduceOp:
     """
     if not isinstance(op, ReduceOp):
         raise TypeError(f"op must be an asynccoll.ReduceOp, got {op!r}")
-    kind = dtype.kind
-    if op is ReduceOp.AVG and kind not in "fc":
+    if op is _AVG and dtype.kind not in "fc":
         raise TypeError(f"ReduceOp.AVG needs a float or complex dtype, got {dtype}")
-    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and kind not in "biu":
+    if op in _BITWISE and dtype.kind not in "biu":
         raise TypeError(f"ReduceOp.{op.name} needs an integer or bool dtype, got {dtype}")
     return op
 
@@ -65,5 +72,5 @@ def combine_ordered(dst: np.ndarray, left: np.ndarray, right: np.ndarray, op: Re
 
 def finish(a: np.ndarray, op: ReduceOp, n: int) -> None:
     """Last step of a reduction over ``n`` ranks (divides by ``n`` for AVG)."""
-    if op is ReduceOp.AVG and n > 1:
+    if op is _AVG and n > 1:
         np.divide(a, n, out=a)

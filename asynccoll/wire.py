@@ -232,6 +232,136 @@ def encode_data_head(kind: int, group: int, seq: int, step: int, tag: int, src: 
     return PREFIX.pack(MAGIC, VERSION, kind, 0, len(body), payload_len) + body
 
 
+def _pack_uint(n: int) -> bytes:
+    """msgpack's (shortest) encoding of a non-negative int, as ``msgpack.packb`` gives it."""
+    if n < 0x80:
+        return _U8.pack(n)
+    if n <= 0xFF:
+        return b"\xcc" + _U8.pack(n)
+    if n <= 0xFFFF:
+        return b"\xcd" + _U16.pack(n)
+    if n <= 0xFFFFFFFF:
+        return b"\xce" + _U32S.pack(n)
+    return b"\xcf" + _U64S.pack(n)
+
+
+_U8 = struct.Struct("B")
+_U16 = struct.Struct("!H")
+_U32S = struct.Struct("!I")
+_U64S = struct.Struct("!Q")
+
+
+class HeadCache:
+    """:func:`encode_data_head` for the frames a rank sends again and again.
+
+    Successive collectives of one kind differ in their headers only by the sequence number,
+    so the encoding is kept as the bytes before and after it (a msgpack map is the
+    concatenation of its keys' and values' encodings, in order), and a frame's head is those
+    two around the packed number: the same bytes as :func:`encode_data_head`, in a third of
+    the time. Bounded: the cache starts over after ``limit`` distinct headers.
+    """
+
+    __slots__ = ("_parts", "limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._parts: dict[tuple[Any, ...], tuple[int, bytes, bytes]] = {}
+        self.limit = limit
+
+    def data_head(self, kind: int, group: int, seq: int, step: int, tag: int, src: int,
+                  dtype: str, shape: tuple[int, ...], sig: tuple[Any, ...] | None,
+                  payload_len: int) -> bytes:
+        key = (kind, group, step, tag, src, dtype, shape, sig)
+        parts = self._parts.get(key)
+        if parts is None:
+            if len(self._parts) >= self.limit:
+                self._parts.clear()
+            obj: dict[str, Any] = {"s": step, "t": tag, "r": src, "d": dtype, "h": shape}
+            if sig is not None:
+                obj["c"] = sig
+            after = msgpack.packb(obj, use_bin_type=True)
+            # the map's own header (fixmap of len(obj) + 2 entries), then "g": group, "q"
+            before = (bytes([0x80 | (len(obj) + 2)]) + msgpack.packb("g") + _pack_uint(group)
+                      + msgpack.packb("q"))
+            parts = self._parts[key] = (kind, before, after[1:])  # drop the inner map's header
+        kind, before, after = parts
+        body = before + _pack_uint(seq) + after
+        return PREFIX.pack(MAGIC, VERSION, kind, 0, len(body), payload_len) + body
+
+
+def _read_uint(b: bytes, pos: int) -> tuple[int, int]:
+    """A msgpack unsigned int at ``b[pos]``: ``(value, next position)``; ``(-1, pos)`` when
+    something else is there."""
+    t = b[pos]
+    if t < 0x80:
+        return t, pos + 1
+    width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(t)
+    if width is None or pos + 1 + width > len(b):
+        return -1, pos
+    return int.from_bytes(b[pos + 1:pos + 1 + width], "big"), pos + 1 + width
+
+
+class HeaderMemo:
+    """Decodes the DATA and P2P headers of one stream, remembering the ones it has seen.
+
+    The receiving side of :class:`HeadCache`: a header that differs from one decoded before
+    only by its group and sequence number (read straight from the bytes) is not decoded and
+    validated again. Anything else goes through :func:`decode_header`, which validates it
+    fully. Bounded: it starts over after ``limit`` distinct headers.
+    """
+
+    __slots__ = ("_seen", "limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        # rest of the header -> (step, tag, src, dtype, shape, sig, payload bytes they imply)
+        self._seen: dict[bytes, tuple[int, int, int, str | None, tuple[int, ...] | None,
+                                      tuple[Any, ...] | None, int | None]] = {}
+        self.limit = limit
+
+    def decode(self, body: bytes | bytearray | memoryview, kind: int) -> FrameHeader:
+        """:func:`decode_header` (the same result or the same ProtocolError)."""
+        return self._decode(body, kind)[0]
+
+    def decode_checked(self, body: bytes | bytearray | memoryview, kind: FrameKind,
+                       payload_len: int) -> FrameHeader:
+        """:func:`decode_header`, then :func:`check_payload`."""
+        header, expected = self._decode(body, kind)
+        if expected != payload_len or expected is None:
+            check_payload(kind, header, payload_len)
+        return header
+
+    def _decode(self, body: bytes | bytearray | memoryview, kind: int
+                ) -> tuple[FrameHeader, int | None]:
+        if kind != FrameKind.DATA and kind != FrameKind.P2P:
+            return decode_header(body, kind), None
+        b = bytes(body)
+        # a canonical data header: fixmap, "g" <uint>, "q" <uint>, the rest
+        if len(b) < 8 or b[0] not in (0x87, 0x88) or b[1] != 0xA1 or b[2] != 0x67:
+            return _decode_data_header(b), None
+        group, pos = _read_uint(b, 3)
+        if group < 0 or b[pos:pos + 2] != b"\xa1q":
+            return _decode_data_header(b), None
+        seq, end = _read_uint(b, pos + 2)
+        if seq < 0:
+            return _decode_data_header(b), None
+        rest = b[end:]
+        key = b[:1] + rest
+        seen = self._seen.get(key)
+        if seen is not None:
+            step, tag, src, dtype, shape, sig, expected = seen
+            return _trusted_header(group, seq, step, tag, src, dtype, shape, sig), expected
+        header = _decode_data_header(b)
+        expected = header.expected_payload()
+        # remember it unless the map repeats a key this shortcut reads (then msgpack's "last
+        # one wins" would disagree with what was read here)
+        if header.group == group and header.seq == seq and b"\xa1g" not in rest \
+                and b"\xa1q" not in rest and header.meta is None:
+            if len(self._seen) >= self.limit:
+                self._seen.clear()
+            self._seen[key] = (header.step, header.tag, header.src, header.dtype, header.shape,
+                               header.sig, expected)
+        return header, expected
+
+
 def encode_frame(frame: Frame) -> list[Any]:
     """Buffers to write, in order: ``[prefix+header]`` or ``[prefix+header, payload]``.
 
@@ -260,6 +390,16 @@ def parse_prefix(prefix: bytes | bytearray | memoryview,
             the limits. The caller must close the connection: the stream cannot be resynchronised.
     """
     magic, version, kind, flags, header_len, payload_len = PREFIX.unpack(prefix)
+    return _check_prefix(magic, version, kind, flags, header_len, payload_len, max_payload)
+
+
+def _check_prefix(magic: bytes, version: int, kind: int, flags: int, header_len: int,
+                  payload_len: int, max_payload: int) -> tuple[FrameKind, int, int]:
+    if (magic == MAGIC and version == VERSION and flags == 0 and header_len <= MAX_HEADER_BYTES
+            and payload_len <= max_payload and payload_len <= ABSOLUTE_MAX_PAYLOAD_BYTES):
+        kind_of = _KIND_OF.get(kind)
+        if kind_of is not None:
+            return kind_of, header_len, payload_len
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
@@ -270,9 +410,7 @@ def parse_prefix(prefix: bytes | bytearray | memoryview,
         raise ProtocolError(f"reserved flags must be zero, got {flags:#x}")
     if header_len > MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
-    if payload_len > min(max_payload, ABSOLUTE_MAX_PAYLOAD_BYTES):
-        raise ProtocolError(f"payload length {payload_len} exceeds the limit of {max_payload}")
-    return _KIND_OF[kind], header_len, payload_len
+    raise ProtocolError(f"payload length {payload_len} exceeds the limit of {max_payload}")
 
 
 def decode_header(body: bytes | bytearray | memoryview, kind: int = 0) -> FrameHeader:
@@ -322,24 +460,60 @@ def _unpack_map(body: bytes | bytearray | memoryview, *, use_list: bool) -> dict
     return obj
 
 
+_new_header = object.__new__
+_SET_FIELDS = tuple(FrameHeader.__dict__[name].__set__ for name in
+                    ("group", "seq", "step", "tag", "src", "dtype", "shape", "sig", "meta"))
+
+
+def _trusted_header(group: int, seq: int, step: int, tag: int, src: int, dtype: str | None,
+                    shape: tuple[int, ...] | None, sig: tuple[Any, ...] | None) -> FrameHeader:
+    """A FrameHeader of already validated fields, without running the checks again
+    (through the slot descriptors: a quarter of the cost of the dataclass ``__init__``)."""
+    h = _new_header(FrameHeader)
+    sg, sq, ss, st, sr, sd, sh, sc, sm = _SET_FIELDS
+    sg(h, group)
+    sq(h, seq)
+    ss(h, step)
+    st(h, tag)
+    sr(h, src)
+    sd(h, dtype)
+    sh(h, shape)
+    sc(h, sig)
+    sm(h, None)
+    return h
+
+
+def _flat_enough(sig: tuple[Any, ...]) -> bool:
+    """``not _too_deep(sig)``, without recursing for the usual signature (scalars and flat
+    tuples of scalars, such as a shape)."""
+    for child in sig:
+        if type(child) is tuple:
+            for grandchild in child:
+                if isinstance(grandchild, (list, tuple, dict)):
+                    return not _too_deep(sig)
+        elif isinstance(child, (list, dict)):
+            return not _too_deep(sig)
+    return True
+
+
 def _decode_data_header(body: bytes | bytearray | memoryview) -> FrameHeader:
     """:func:`decode_header` for DATA and P2P frames, the hot path: msgpack builds the tuples
-    itself, and only the signature can nest (``meta`` does not belong in these frames)."""
+    itself, only the signature can nest (``meta`` does not belong in these frames), and the
+    fields are checked here once (what ``FrameHeader.__post_init__`` checks) rather than in
+    the dataclass. Anything unusual goes to the general path, which explains what is wrong."""
     obj = _unpack_map(body, use_list=False)
-    sig = obj.get("c")
-    shape = obj.get("h")
-    dtype = obj.get("d")
-    if "m" in obj or (sig is not None and (not isinstance(sig, tuple) or _too_deep(sig))) or (
-            shape is not None and not isinstance(shape, tuple)) or (
-            dtype is not None and type(dtype) is not str):
-        return decode_header(body)  # unusual: the general path explains what is wrong
-    try:
-        return FrameHeader(group=obj["g"], seq=obj["q"], step=obj["s"], tag=obj["t"],
-                           src=obj["r"], dtype=dtype, shape=shape, sig=sig)
-    except KeyError as exc:
-        raise ProtocolError(f"header lacks field {exc.args[0]!r}") from None
-    except TypeError as exc:
-        raise ProtocolError(f"bad header: {exc}") from None
+    get = obj.get
+    g, q, s, t, r = get("g"), get("q"), get("s"), get("t"), get("r")
+    dtype, shape, sig = get("d"), get("h"), get("c")
+    if (type(g) is int and type(q) is int and type(s) is int and type(t) is int
+            and type(r) is int and 0 <= g <= _U64 and 0 <= q <= _U64 and 0 <= s <= _U32
+            and 0 <= t <= _I63 and 0 <= r <= _U32 and "m" not in obj
+            and (dtype is None or (type(dtype) is str and dtype in SUPPORTED_DTYPES))
+            and (shape is None or (type(shape) is tuple and len(shape) <= MAX_NDIM
+                                   and all(type(n) is int and 0 <= n <= _I63 for n in shape)))
+            and (sig is None or (type(sig) is tuple and _flat_enough(sig)))):
+        return _trusted_header(g, q, s, t, r, dtype, shape, sig)
+    return decode_header(body)
 
 
 def check_payload(kind: FrameKind, header: FrameHeader, payload_len: int) -> None:
@@ -468,6 +642,8 @@ __all__ = [
     "FrameDecoder",
     "FrameHeader",
     "FrameKind",
+    "HeadCache",
+    "HeaderMemo",
     "array_view",
     "check_payload",
     "decode_frames",
@@ -508,6 +684,7 @@ class BufferedFrameReader:
         self._end = 0
         # a frame whose payload is being read directly: kind, header, owner, view, filled
         self._pending: tuple[FrameKind, FrameHeader, Any, memoryview, int] | None = None
+        self._headers = HeaderMemo()
 
     def get_buffer(self) -> memoryview:
         """Where the next received bytes must be written (never empty)."""
@@ -533,21 +710,22 @@ class BufferedFrameReader:
                 return []
             self._pending = None
             return [Frame(p_kind, p_header, p_owner)]
-        self._end += nbytes
+        end = self._end = self._end + nbytes
+        start = self._start
         frames: list[Frame] = []
         stage = self._view
-        while True:
-            avail = self._end - self._start
-            if avail < PREFIX_SIZE:
+        unpack_from = PREFIX.unpack_from
+        while end - start >= PREFIX_SIZE:
+            magic, version, kind_code, flags, header_len, payload_len = unpack_from(stage, start)
+            kind, header_len, payload_len = _check_prefix(magic, version, kind_code, flags,
+                                                          header_len, payload_len,
+                                                          self.max_payload)
+            pos = start + PREFIX_SIZE
+            if end - pos < header_len:
                 break
-            kind, header_len, payload_len = parse_prefix(
-                stage[self._start:self._start + PREFIX_SIZE], self.max_payload)
-            if avail < PREFIX_SIZE + header_len:
-                break
-            pos = self._start + PREFIX_SIZE
-            header = decode_header(stage[pos:pos + header_len], kind)
-            check_payload(kind, header, payload_len)
-            self._start = pos + header_len
+            header = self._headers.decode_checked(stage[pos:pos + header_len], kind,
+                                                  payload_len)
+            start = self._start = pos + header_len
             dest = self.sink(kind, header, payload_len) if self.sink is not None else None
             owner: Any
             if dest is None:
@@ -555,16 +733,20 @@ class BufferedFrameReader:
                 dest = memoryview(owner)
             else:
                 owner = dest
-            take = min(payload_len, self._end - self._start)
+            take = end - start
+            if take > payload_len:
+                take = payload_len
             if take:
-                dest[:take] = stage[self._start:self._start + take]
-                self._start += take
+                dest[:take] = stage[start:start + take]
+                start += take
             if take < payload_len:
+                self._start = start
                 self._pending = (kind, header, owner, dest, take)
                 break
             frames.append(Frame(kind, header, owner))
-        if self._start == self._end:
-            self._start = self._end = 0
+        if start == end:
+            start = self._end = 0
+        self._start = start
         return frames
 
     @property

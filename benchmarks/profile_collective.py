@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import time
 
@@ -34,10 +35,24 @@ async def main() -> None:
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-poll", action="store_true")
+    p.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
+                   help="a Tuning field to set (repeatable), e.g. segment_bytes=256K")
+    p.add_argument("--pin", choices=("spread", "pack"),
+                   help="pin rank r to core r %% cores (spread) or r // (ranks / cores) (pack)")
     args = p.parse_args()
     comm = await asynccoll.init(backend="tcp")
-    if args.no_poll:
-        comm.tuning = asynccoll.Tuning(poll_us=0)
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, comm.world_size // len(cores))
+        r = comm.rank
+        os.sched_setaffinity(0, {cores[r % len(cores)] if args.pin == "spread"
+                                 else cores[min(r // per, len(cores) - 1)]})
+    fields: dict[str, object] = {"poll_us": 0} if args.no_poll else {}
+    for item in args.tuning:
+        name, _, value = item.partition("=")
+        fields[name] = value if name == "direct_all_reduce" else size(value)
+    if fields:
+        comm.tuning = asynccoll.Tuning(**fields)  # type: ignore[arg-type]
     # all_gather's size is the gathered output, written into a preallocated buffer (as in
     # benchmarks/workers.py)
     per = max(1, args.nbytes // 4 // (comm.world_size if args.op == "all_gather" else 1))
@@ -61,14 +76,21 @@ async def main() -> None:
     if prof:
         prof.enable()
     t = time.perf_counter()
+    cpu = time.process_time()
+    calls = []
     for _ in range(args.iters):
+        c = time.perf_counter()
         await once()
+        calls.append(time.perf_counter() - c)
     dt = (time.perf_counter() - t) / args.iters
+    cpu = (time.process_time() - cpu) / args.iters
+    calls.sort()
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     if comm.rank == 0:
-        print(f"{args.op} {args.nbytes} B x {comm.world_size} ranks: {dt * 1e6:.1f} us per call")
+        print(f"{args.op} {args.nbytes} B x {comm.world_size} ranks: {dt * 1e6:.1f} us per call "
+              f"(median {calls[len(calls) // 2] * 1e6:.1f} us, CPU {cpu * 1e6:.1f} us)")
     await comm.close()
 
 

@@ -497,3 +497,59 @@ async def test_authenticated_peer_breaking_the_protocol(bad: str) -> None:
             with contextlib.suppress(BaseException):
                 await recv
             await close_writer(writer)
+
+
+# ------------------------------------------------------------------------ reading without the loop
+
+async def _settle_until(check: Any, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+async def test_pump_reads_a_frame_without_an_event_loop_turn() -> None:
+    """A polling receive reads its peer's socket itself (TcpTransport.pump): the frame is
+    parsed, matched and lands in the posted buffer synchronously, exactly as the event loop's
+    read would have done it."""
+    async with tcp_world(2) as (_, (c0, c1)):
+        t0, t1 = c0.transport, c1.transport
+        assert isinstance(t0, TcpTransport) and isinstance(t1, TcpTransport)
+        await asyncio.gather(c0.barrier(), c1.barrier())  # both connections exist now
+        assert not t0.pump(1) and not t0.pump(0) and not t0.pump(7)  # nothing there, no such peer
+        sig = ("test", "<f8", (3,))
+        key = (1, int(FrameKind.DATA), 99, 5, 0, 0)
+        into = np.zeros(3)
+        fut = t0.post_recv(key, memoryview(into).cast("B"), sig)
+        t0.mailbox.begin(99, 5, sig)
+        head = t1.heads.data_head(int(FrameKind.DATA), 99, 5, 0, 0, 1, "<f8", (3,), sig, 24)
+        sent = np.array([1.5, 2.5, 3.5])
+        assert t1.post(0, head, memoryview(sent).cast("B")) is None
+        # no await from here on: the loop never runs, so only pump can complete the receive
+        deadline = time.monotonic() + 5.0
+        while not fut.done():
+            t0.pump(1)
+            assert time.monotonic() < deadline, "pump never read the frame"
+        frame = fut.result()
+        assert frame.header.seq == 5 and frame.header.sig == sig
+        np.testing.assert_array_equal(into, sent)
+        t0.mailbox.end(99, 5)
+
+
+async def test_pump_leaves_a_lost_peer_to_the_event_loop() -> None:
+    """At the end of a peer's stream pump reads nothing and returns; the event loop sees the
+    same end and reports the loss, and the dup'd descriptor is closed with the connection."""
+    async with tcp_world(2) as (_, (c0, c1)):
+        t0 = c0.transport
+        assert isinstance(t0, TcpTransport)
+        await asyncio.gather(c0.barrier(), c1.barrier())
+        conn = t0._in[1]
+        raw = conn.raw
+        assert raw is not None
+        for c in list(c1.transport._open):  # type: ignore[attr-defined]
+            c._abort()  # an abrupt end, as when the process dies
+        await _settle_until(lambda: not t0.pump(1) and conn.closed)
+        assert conn.raw is None and raw.fileno() == -1
+        assert 1 not in t0._in
+        with pytest.raises(PeerLostError):
+            await c0.all_reduce(np.ones(4))

@@ -504,6 +504,45 @@ def test_round_trip(batch: list[Frame], cuts: list[int]) -> None:
             assert array.tobytes() == frame.payload
 
 
+@given(frame=frames().filter(lambda f: f.kind in (FrameKind.DATA, FrameKind.P2P)),
+       seqs=st.lists(st.integers(0, U64), min_size=1, max_size=4))
+@FUZZ
+def test_head_cache_and_header_memo_agree_with_the_codec(frame: Frame, seqs: list[int]) -> None:
+    """The encode cache gives encode_head's canonical bytes, and the decode memo
+    decode_header's result, on first sight and on every repeat with another seq."""
+    h = frame.header
+    assert h.dtype is not None and h.shape is not None
+    heads, memo = wire.HeadCache(limit=2), wire.HeaderMemo(limit=2)
+    for seq in [h.seq, *seqs, h.seq]:
+        header = FrameHeader(group=h.group, seq=seq, step=h.step, tag=h.tag, src=h.src,
+                             dtype=h.dtype, shape=h.shape, sig=h.sig)
+        expected = wire.encode_head(frame.kind, header, len(frame.payload))
+        got = heads.data_head(int(frame.kind), h.group, seq, h.step, h.tag, h.src, h.dtype,
+                              h.shape, h.sig, len(frame.payload))
+        assert got == expected
+        assert memo.decode(memoryview(got)[wire.PREFIX_SIZE:], frame.kind) == header
+
+
+@given(data=st.sampled_from(ALL_VALID_BYTES), mutations=st.lists(_mutation, min_size=1,
+                                                                  max_size=4))
+@FUZZ
+def test_header_memo_rejects_what_decode_header_rejects(data: bytes,
+                                                         mutations: list[Any]) -> None:
+    """Mutated headers decode through the memo exactly as through decode_header (the same
+    header, or a ProtocolError), also once the memo has seen the unmutated header."""
+    kind, header_len, _ = wire.parse_prefix(data[:wire.PREFIX_SIZE])
+    body = data[wire.PREFIX_SIZE:wire.PREFIX_SIZE + header_len]
+    memo = wire.HeaderMemo()
+    for candidate in (body, mutate(body, mutations), body):
+        try:
+            expected = wire.decode_header(candidate, kind)
+        except ProtocolError:
+            with pytest.raises(ProtocolError):
+                memo.decode(candidate, kind)
+        else:
+            assert memo.decode(candidate, kind) == expected
+
+
 # ----------------------------------------------------------------------------------- memory
 
 def _peak_while(fn: Any) -> int:

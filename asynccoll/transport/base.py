@@ -42,9 +42,12 @@ from ..errors import (
     CommunicatorClosedError,
     PeerLostError,
 )
-from ..wire import Frame, FrameHeader, FrameKind
+from ..wire import Frame, FrameHeader, FrameKind, HeadCache
 
 log = logging.getLogger("asynccoll.transport")
+
+#: looked up once: the hot path compares frame kinds per frame
+_DATA = FrameKind.DATA
 
 #: (src world rank, frame kind, group, seq, step, tag)
 Key = tuple[int, int, int, int, int, int]
@@ -104,6 +107,15 @@ class Mailbox:
         self._error: CollectiveError | None = None
         self._scope: Scope | None = None
         self._on_mismatch = on_mismatch
+        # the event loop receives are posted in, looked up once (asyncio.get_running_loop
+        # costs a getpid() system call per call on Python 3.11)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _future(self) -> asyncio.Future[Any]:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.create_future()
 
     # -- the collective's side ------------------------------------------------------------
 
@@ -151,7 +163,7 @@ class Mailbox:
         resolves once the receiver copied the payload out (or the frame was dropped), and
         the sender must not touch the payload before.
         """
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = self._future()
         if self._error is not None and not self._key_allowed(key):
             fut.set_result(None)
             return fut
@@ -189,7 +201,7 @@ class Mailbox:
              borrow: bool = False) -> asyncio.Future[Frame]:
         if key in self._posted:
             raise RuntimeError(f"receive for {key} posted twice")  # our own invariant
-        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Frame] = self._future()
         self._posted[key] = _Posted(fut, into, sig, borrow)
         return fut
 
@@ -200,7 +212,7 @@ class Mailbox:
 
     def check(self, kind: int, header: FrameHeader) -> bool:
         """Check an incoming frame's signature; ``False`` (and the world aborted) on mismatch."""
-        if kind != FrameKind.DATA:
+        if kind != _DATA:
             return True
         gs = (header.group, header.seq)
         mine = self._active.get(gs)
@@ -279,7 +291,7 @@ class Mailbox:
                                        and seq < scope[1])
 
     def _key_allowed(self, key: Key) -> bool:
-        return key[1] == FrameKind.DATA and self.allowed(key[2], key[3])
+        return key[1] == _DATA and self.allowed(key[2], key[3])
 
     @property
     def error(self) -> CollectiveError | None:
@@ -385,6 +397,8 @@ class Transport(abc.ABC):
         #: what losing a peer does: ``"abort"`` breaks the world, ``"isolate"`` fails only
         #: what involves that peer (transports that support it: tcp)
         self.peer_loss = "abort"
+        #: encoded DATA headers of recurring collectives (see HeadCache)
+        self.heads = HeadCache()
 
     # -- to implement ---------------------------------------------------------------------
 
@@ -410,6 +424,11 @@ class Transport(abc.ABC):
     async def _close(self) -> None:
         """Release connections; called once."""
 
+    def pump(self, src: int) -> bool:
+        """Read what world rank ``src`` sent, now, without the event loop; whether anything
+        was read. Receives that poll call it (the default: nothing to read directly)."""
+        return False
+
     # -- shared ---------------------------------------------------------------------------
 
     async def send(self, dst: int, head: bytes, payload: memoryview | None) -> None:
@@ -430,7 +449,7 @@ class Transport(abc.ABC):
         """
         frame = self.mailbox.take(key, into, borrow)
         if frame is not None:
-            fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+            fut: asyncio.Future[Frame] = self.mailbox._future()
             fut.set_result(frame)
             return fut
         return self.mailbox.post(key, into, sig, borrow)
@@ -486,7 +505,8 @@ class Transport(abc.ABC):
 
     def check_sendable(self) -> None:
         """Raise if frames can no longer be sent (closed, or the whole world is broken)."""
-        if self._closed or (self.mailbox.error is not None and self.mailbox.scope is None):
+        mailbox = self.mailbox
+        if self._closed or (mailbox._error is not None and mailbox._scope is None):
             self.check_usable()
 
     @property

@@ -53,6 +53,9 @@ from .base import Transport, frame_key
 
 log = logging.getLogger("asynccoll.transport.tcp")
 
+# frame kinds looked up once: the hot path compares them per frame
+_DATA, _P2P, _ABORT, _BYE = FrameKind.DATA, FrameKind.P2P, FrameKind.ABORT, FrameKind.BYE
+
 #: What losing a peer's connection abruptly does: ``"abort"`` breaks the whole world (every
 #: rank raises PeerLostError; the default, what collectives need), ``"isolate"`` fails only
 #: what involves that peer (receives from it, sends to it), for worlds whose ranks do not move
@@ -116,6 +119,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._paused = False
         self.reader = BufferedFrameReader(max_payload=0)
         self._client_sent_proof = False
+        #: a second handle on the socket (dup'd descriptor) that receives poll directly
+        self.raw: socket.socket | None = None
 
     # -- asyncio callbacks ----------------------------------------------------------------
 
@@ -155,6 +160,11 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.raw is not None:
+            self.raw.close()
+            self.raw = None
+        if self.owner._in.get(self.peer) is self:  # type: ignore[arg-type]
+            del self.owner._in[self.peer]  # type: ignore[arg-type]
         self.owner._open.discard(self)
         if self._timer is not None:
             self._timer.cancel()
@@ -191,7 +201,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         kind = frame.kind
         owner = self.owner
-        if kind in (FrameKind.DATA, FrameKind.P2P):
+        if kind is _DATA or kind is _P2P:
             owner.mailbox.deliver(frame_key(kind, frame.header), frame)
         elif kind == FrameKind.ABORT:
             owner._on_abort_frame(frame)
@@ -204,9 +214,9 @@ class _Connection(asyncio.BufferedProtocol):
         if header.src != self.peer:
             raise ProtocolError(f"frame claims source rank {header.src} on the connection of "
                                 f"rank {self.peer}")
-        if self.outgoing and kind not in (FrameKind.ABORT, FrameKind.BYE):
+        if self.outgoing and kind is not _ABORT and kind is not _BYE:
             raise ProtocolError(f"unexpected {kind.name} frame on an outgoing connection")
-        if kind not in (FrameKind.DATA, FrameKind.P2P):
+        if kind is not _DATA and kind is not _P2P:
             return None
         mailbox = self.owner.mailbox
         if not mailbox.check(kind, header):
@@ -249,6 +259,14 @@ class _Connection(asyncio.BufferedProtocol):
         self.authenticated = True
         self.reader.max_payload = self.owner.max_payload
         self.reader.sink = self._sink
+        if not self.outgoing and self.transport is not None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    raw = socket.socket(fileno=os.dup(sock.fileno()))
+                    raw.setblocking(False)
+                    self.raw = raw
+                    self.owner._in[self.peer] = self  # type: ignore[index]
         log.debug("rank %d: %s connection with rank %s established", self.owner.rank,
                   "outgoing" if self.outgoing else "incoming", self.peer)
         if not self.ready.done():
@@ -330,6 +348,7 @@ class TcpTransport(Transport):
         self._dialing: dict[int, asyncio.Future[_Connection]] = {}
         self._queued: dict[int, list[tuple[bytes, memoryview | None, asyncio.Future[None]]]] = {}
         self._incoming: set[_Connection] = set()
+        self._in: dict[int, _Connection] = {}  # authenticated incoming connection per rank
         self._open: set[_Connection] = set()  # every connection until connection_lost
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
@@ -436,6 +455,19 @@ class TcpTransport(Transport):
         for _, _, fut in queued:
             if not fut.done():
                 fut.set_result(None)
+
+    def pump(self, src: int) -> bool:
+        conn = self._in.get(src)
+        if conn is None or conn.raw is None or conn.closed:
+            return False
+        try:
+            n = conn.raw.recv_into(conn.reader.get_buffer())
+        except OSError:  # nothing there (BlockingIOError), or the loop will see the error
+            return False
+        if not n:  # end of stream: the event loop sees it too
+            return False
+        conn.buffer_updated(n)
+        return True
 
     # -- failures -------------------------------------------------------------------------
 
