@@ -190,13 +190,8 @@ class Recv:
         if self.borrowed is not None:
             self.call.t.release(self.borrowed)
 
-    async def get(self, *, resize: bool = False) -> np.ndarray:
-        """The received array: ``into`` when the data landed there.
-
-        With ``resize``, a sender's array of another shape comes back as a new array;
-        without, it is an error. A borrowing receive may return the sender's memory (of
-        ``into``'s shape), valid until :meth:`release`.
-        """
+    async def frame(self) -> Frame:
+        """The received frame, its signature checked (its payload not looked at)."""
         fut = self.fut
         if not fut.done() and self.call.poll and (
                 not self.call.t.yields or self.into is None
@@ -210,20 +205,31 @@ class Recv:
             src = self.call.ranks[self.peer]
             while not fut.done() and time.perf_counter() < deadline:
                 # read the peer's socket directly a few times (no event-loop turn between:
-                # a turn costs more than a read), then let the loop run other work once
+                # a turn costs more than a read); once something was read and the frame is
+                # not complete, let the loop run (it writes what this rank sends meanwhile)
                 for _ in range(POLL_READS):
                     if pump(src) or fut.done():
                         break
                     if yields:
                         os.sched_yield()
-                else:
+                if not fut.done():
                     await asyncio.sleep(0)
         frame = await fut
-        h = frame.header
         sig = self.call.sig
-        if h.sig != sig:  # the mailbox caught it already; never hand out such data
-            raise CollectiveError(f"collective mismatch: {describe_sig(h.sig)} "
+        if frame.header.sig != sig:  # the mailbox caught it already; never hand out such data
+            raise CollectiveError(f"collective mismatch: {describe_sig(frame.header.sig)} "
                                   f"vs {describe_sig(sig)}")
+        return frame
+
+    async def get(self, *, resize: bool = False) -> np.ndarray:
+        """The received array: ``into`` when the data landed there.
+
+        With ``resize``, a sender's array of another shape comes back as a new array;
+        without, it is an error. A borrowing receive may return the sender's memory (of
+        ``into``'s shape), valid until :meth:`release`.
+        """
+        frame = await self.frame()
+        h = frame.header
         assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
         into = self.into
         if into is not None:
@@ -549,12 +555,17 @@ MAX_SEGMENTS = 64
 AGREE_STEP = 0xFFFF0000
 
 
+#: the (empty, read-only) payload of barrier frames
+_TOKEN = np.empty(0, np.uint8)
+_TOKEN.flags.writeable = False
+
+
 def begin_barrier(call: Call, step0: int = 0) -> tuple[asyncio.Future[None] | None, Recv]:
     """Post round 0 of a dissemination barrier of 2 or more ranks now (see
     :func:`dissemination_barrier`)."""
     w, r = call.size, call.rank
     rcv = call.post_recv((r - 1) % w, step0)
-    return call.post((r + 1) % w, step0, np.empty(0, np.uint8)), rcv
+    return call.post((r + 1) % w, step0, _TOKEN), rcv
 
 
 async def end_barrier(call: Call, step0: int,
@@ -562,12 +573,16 @@ async def end_barrier(call: Call, step0: int,
     """The rest of a dissemination barrier whose round 0 :func:`begin_barrier` posted."""
     w, r = call.size, call.rank
     pending, rcv = first
-    await rcv.get()
-    await settle([pending])
-    token = np.empty(0, np.uint8)
+    await rcv.frame()
+    if pending is not None:
+        await pending
     k, dist = 1, 2
     while dist < w:
-        await call.exchange((r + dist) % w, token, (r - dist) % w, None, step0 + k)
+        pending = call.post((r + dist) % w, step0 + k, _TOKEN)
+        await call.post_recv((r - dist) % w, step0 + k).frame()
+        if pending is not None:
+            await pending
+            call.t.check_sendable()
         k, dist = k + 1, dist * 2
 
 

@@ -729,7 +729,8 @@ class BufferedFrameReader:
             dest = self.sink(kind, header, payload_len) if self.sink is not None else None
             owner: Any
             if dest is None:
-                owner = np.empty(payload_len, np.uint8)  # no zero-fill: all of it is read in
+                # no zero-fill: all of it is read in
+                owner = np.empty(payload_len, np.uint8) if payload_len else b""
                 dest = memoryview(owner)
             else:
                 owner = dest

@@ -3,6 +3,7 @@
     python benchmarks/compare.py                  # 2 and 4 ranks, the default ops and sizes
     python benchmarks/compare.py -n 2 --ops all_reduce --sizes 8,16M --json out.json
     python benchmarks/compare.py -n 2 --ops all_gather,broadcast --sizes 1M,64M --rounds 5
+    python benchmarks/compare.py --rounds 3 --json out.json --plot busbw.png
 
 Each framework runs the same ops and sizes on this machine, one after the other (see
 ``benchmarks/workers.py`` for the timing method). Peers are optional: gloo needs
@@ -165,6 +166,45 @@ def table(rows: list[dict[str, Any]], peers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """busbw against size, one panel per (ranks, op), one line per framework (needs
+    matplotlib); barrier, which moves no bytes, is left out."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("--plot needs matplotlib (pip install matplotlib)\n")
+        return
+    ranks = sorted({r["ranks"] for r in rows})
+    ops = list(dict.fromkeys(r["op"] for r in rows if r["size"]))
+    if not ranks or not ops:
+        sys.stderr.write("--plot: nothing to plot\n")
+        return
+    fig, axes = plt.subplots(len(ranks), len(ops), figsize=(3.6 * len(ops), 3.0 * len(ranks)),
+                             squeeze=False, sharex=True)
+    for i, n in enumerate(ranks):
+        for j, op in enumerate(ops):
+            ax = axes[i][j]
+            for fw in dict.fromkeys(r["framework"] for r in rows):
+                pts = sorted((r for r in rows if r["framework"] == fw and r["op"] == op
+                              and r["ranks"] == n and r["size"]), key=lambda r: r["size"])
+                if pts:
+                    ax.plot([r["size"] for r in pts], [r["busbw"] for r in pts], marker="o",
+                            label=fw)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op}, {n} ranks", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("busbw (GB/s)")
+            if i == len(ranks) - 1:
+                ax.set_xlabel("bytes")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", "--ranks", type=int, nargs="+", default=[2, 4])
@@ -173,11 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default="gloo,mpi", help="comma-separated: gloo, mpi")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per framework run")
     p.add_argument("--json", metavar="FILE", help="also write every row as JSON")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also plot busbw against size per framework (needs matplotlib)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="only plot the rows of an earlier --json file (with --plot)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the frameworks one after the other this many times, alternating, "
                         "and report each figure's median over the rounds (on a shared, noisy "
                         "machine this keeps a burst of load from landing on one framework only)")
     a = p.parse_args(argv)
+    if a.replot:
+        if not a.plot:
+            p.error("--replot needs --plot FILE.png")
+        plot(json.loads(Path(a.replot).read_text()), a.plot)
+        return 0
     sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
     args = ["--ops", a.ops, "--sizes", sizes]
     why = available()
@@ -201,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, peers))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
+    if a.plot:
+        plot(rows, a.plot)
     return 0
 
 

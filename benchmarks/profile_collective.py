@@ -37,6 +37,7 @@ async def main() -> None:
     p.add_argument("--no-poll", action="store_true")
     p.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
                    help="a Tuning field to set (repeatable), e.g. segment_bytes=256K")
+    p.add_argument("--all-ranks", action="store_true", help="every rank prints its figures")
     p.add_argument("--pin", choices=("spread", "pack"),
                    help="pin rank r to core r %% cores (spread) or r // (ranks / cores) (pack)")
     args = p.parse_args()
@@ -88,7 +89,7 @@ async def main() -> None:
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-    if comm.rank == 0:
+    if comm.rank == 0 or args.all_ranks:
         print(f"{args.op} {args.nbytes} B x {comm.world_size} ranks: {dt * 1e6:.1f} us per call "
               f"(median {calls[len(calls) // 2] * 1e6:.1f} us, CPU {cpu * 1e6:.1f} us)")
     await comm.close()

@@ -50,9 +50,31 @@ def test_compare_runs_asynccoll_alone(tmp_path: Path) -> None:
     out_json = tmp_path / "rows.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "-n", "2", "--peers", "",
-         "--ops", "all_reduce,all_gather", "--sizes", "8,64K", "--json", str(out_json)],
+         "--ops", "all_reduce,all_gather", "--sizes", "8,64K", "--json", str(out_json),
+         "--plot", str(tmp_path / "run.png")],
         capture_output=True, text=True, timeout=110, env=_env(), check=True)
     rows = json.loads(out_json.read_text())
     assert {(r["op"], r["size"]) for r in rows} == {
         ("all_reduce", 8), ("all_reduce", 65536), ("all_gather", 8), ("all_gather", 65536)}
     assert "all_reduce" in proc.stdout
+    assert _is_png(tmp_path / "run.png")
+    # the rows of a run plot again without running anything
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--replot",
+                    str(out_json), "--plot", str(tmp_path / "again.png")],
+                   capture_output=True, text=True, timeout=60, env=_env(), check=True)
+    assert _is_png(tmp_path / "again.png")
+
+
+def _is_png(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == \
+        b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_plot(tmp_path: Path) -> None:
+    """`asynccoll bench --plot` draws busbw against size (matplotlib is in the test extra)."""
+    png = tmp_path / "bench.png"
+    subprocess.run(
+        [sys.executable, "-m", "asynccoll", "bench", "--backend", "memory", "-n", "2",
+         "--op", "all_reduce,all_gather", "--min-bytes", "8", "--max-bytes", "64K", "--plot",
+         str(png)], capture_output=True, text=True, timeout=120, env=_env(), check=True)
+    assert _is_png(png)

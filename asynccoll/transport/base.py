@@ -19,6 +19,11 @@ receiver only reads the payload (to reduce it into its own data) and releases it
 (:meth:`Transport.release`); backends that cannot lend ignore the flag and fill the posted
 buffer as usual. :attr:`Transport.lends` tells algorithms which of the two they get.
 
+A backend may also offer :meth:`Transport.pump`: read what one peer sent, right now, without
+an event-loop turn. A receive that polls (:attr:`Transport.polls`) calls it between turns, so
+a small frame that is already in the socket is parsed, matched and delivered in the waiting
+coroutine itself: a turn of the event loop costs more than the read.
+
 The mailbox also checks collective signatures: every DATA frame carries the signature of the
 collective that sent it (name, dtype, shape, op, algorithm ...). When it differs from the
 signature of the collective this rank runs under the same ``(group, seq)`` the world is aborted
@@ -426,7 +431,8 @@ class Transport(abc.ABC):
 
     def pump(self, src: int) -> bool:
         """Read what world rank ``src`` sent, now, without the event loop; whether anything
-        was read. Receives that poll call it (the default: nothing to read directly)."""
+        was read. Frames read this way go through the mailbox exactly as the event loop's
+        reads do. Receives that poll call it (the default: nothing to read directly)."""
         return False
 
     # -- shared ---------------------------------------------------------------------------

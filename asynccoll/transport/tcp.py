@@ -12,6 +12,10 @@ one joined write); because the event loop may keep a reference to the payload un
 took it, ``post`` then returns a future that resolves once the connection's write buffer has
 drained (``None`` when the kernel took everything at once).
 
+A receive that polls reads its peer's incoming connection itself (:meth:`TcpTransport.pump`,
+through a duplicate of the socket's descriptor), so a small frame is handled without waiting
+for an event-loop turn.
+
 Failures: a connection of an authenticated peer that ends without a BYE frame means the peer
 died; the world is aborted with :class:`~asynccoll.errors.PeerLostError` naming it and every
 rank is told (ABORT frames), so nobody waits for a timeout. A connection that fails the
@@ -457,6 +461,11 @@ class TcpTransport(Transport):
                 fut.set_result(None)
 
     def pump(self, src: int) -> bool:
+        """One non-blocking read of ``src``'s connection into the frame reader (see
+        Transport.pump). It reads through a duplicate of the socket's descriptor, which the
+        event loop also watches: whichever reads first gets the bytes, and the reader's state
+        is the same either way. Errors and the end of the stream are left to the event loop,
+        which sees them too and runs the usual failure handling."""
         conn = self._in.get(src)
         if conn is None or conn.raw is None or conn.closed:
             return False
