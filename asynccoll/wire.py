@@ -306,12 +306,14 @@ class HeaderMemo:
     The receiving side of :class:`HeadCache`: a header that differs from one decoded before
     only by its group and sequence number (read straight from the bytes) is not decoded and
     validated again. Anything else goes through :func:`decode_header`, which validates it
-    fully. Bounded: it starts over after ``limit`` distinct headers.
+    fully. Bounded: it starts over after ``limit`` distinct headers (each entry holds a few
+    hundred bytes; there is one memo per incoming connection, and a collective's frames on one
+    connection differ by step and shape only, so a few distinct headers is the usual case).
     """
 
     __slots__ = ("_seen", "limit")
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = 1024) -> None:
         # rest of the header -> (step, tag, src, dtype, shape, sig, payload bytes they imply)
         self._seen: dict[bytes, tuple[int, int, int, str | None, tuple[int, ...] | None,
                                       tuple[Any, ...] | None, int | None]] = {}

@@ -11,13 +11,13 @@ loop. ``--no-poll`` sets ``Tuning(poll_us=0)`` (the profile then shows work, not
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import os
 import pstats
 import time
 
 import numpy as np
+from workers import run_event_loop  # benchmarks/ is on sys.path when run as a script
 
 import asynccoll
 
@@ -96,9 +96,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+    run_event_loop(main())

@@ -16,7 +16,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -147,15 +147,20 @@ async def _asynccoll(args: argparse.Namespace) -> None:
                     report("asynccoll", op, nbytes, n, float(worst[0]))
 
 
-def run_asynccoll(args: argparse.Namespace) -> None:
+def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+    """``asyncio.run(coro)``, on uvloop when it is installed (as ``asynccoll run`` does); the
+    benchmark scripts that run under the launcher use it too."""
     try:
         import uvloop
     except ImportError:
         import asyncio
 
-        asyncio.run(_asynccoll(args))
-    else:
-        uvloop.run(_asynccoll(args))
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def run_asynccoll(args: argparse.Namespace) -> None:
+    run_event_loop(_asynccoll(args))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,23 @@ def test_bench_plot(tmp_path: Path) -> None:
          "--op", "all_reduce,all_gather", "--min-bytes", "8", "--max-bytes", "64K", "--plot",
          str(png)], capture_output=True, text=True, timeout=120, env=_env(), check=True)
     assert _is_png(png)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script, args, expect", [
+    ("profile_collective.py", ["all_reduce", "8", "--iters", "50", "--all-ranks", "--tuning",
+                               "poll_us=100"], r"all_reduce 8 B x 2 ranks: .* CPU [\d.]+ us"),
+    ("profile_collective.py", ["barrier", "0", "--iters", "50", "--pin", "spread"],
+     r"barrier 0 B x 2 ranks"),
+    ("timeline.py", ["--iters", "200"], r"rank \d, \d+ calls polled .* total [\d.]+"),
+])
+def test_profiling_scripts_run(script: str, args: list[str], expect: str) -> None:
+    """The scripts docs/performance.md quotes figures from keep working."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "asynccoll", "run", "-n", "2",
+         str(ROOT / "benchmarks" / script), *args],
+        capture_output=True, text=True, timeout=110, env=_env(), check=True)
+    lines = [line for line in proc.stdout.splitlines() if re.search(expect, line)]
+    assert lines, proc.stdout
+    if "--all-ranks" in args or script == "timeline.py":
+        assert len(lines) == 2, proc.stdout
