@@ -3,10 +3,10 @@
 Backends whose operations complete outside the event loop (mpi4py non-blocking requests, CUDA
 events behind NCCL calls) share two small tools:
 
-* :func:`poll` awaits a completion test without blocking the loop: it yields to the loop
-  (``asyncio.sleep(0)``) for a short spin period, then sleeps :data:`POLL_SLEEP` between
+* ``poll`` awaits a completion test without blocking the loop: it yields to the loop
+  (``asyncio.sleep(0)``) for a short spin period, then sleeps ``POLL_SLEEP`` between
   tests, so a long idle wait costs about a thousand cheap tests a second instead of a core.
-* :class:`Turns` makes operations that must be *issued* in the same order on every rank (MPI
+* ``Turns`` makes operations that must be *issued* in the same order on every rank (MPI
   collectives on one communicator, NCCL kernels on one stream) wait for the operations that were
   called before them, when something asynchronous (a signature check, a header exchange)
   happens between the call and the issue.
@@ -50,7 +50,7 @@ async def poll(done: Callable[[], bool], *, deadline: float,
 class Turns:
     """Tickets in call order; ticket ``t`` may issue once every earlier ticket is done.
 
-    Every ticket taken must eventually be passed to :meth:`done` (idempotent), whether or not
+    Every ticket taken must eventually be passed to ``done`` (idempotent), whether or not
     its owner issued anything, or later tickets wait forever (until their own timeout).
     """
 

@@ -1,7 +1,7 @@
 """Every collective algorithm, written once over the transport interface.
 
-A collective of :class:`~asynccoll.collectives.Communicator` runs one of these coroutines with a
-:class:`Call`, its view of the collective in flight (sequence number, signature, group ranks).
+A collective of ``Communicator`` runs one of these coroutines with a
+``Call``, its view of the collective in flight (sequence number, signature, group ranks).
 The algorithms:
 
 =================  ==========================================  ===============================
@@ -19,8 +19,8 @@ all_to_all         pairwise exchange                           pairwise exchange
 barrier            dissemination                               -
 =================  ==========================================  ===============================
 
-Thresholds live in :mod:`asynccoll.tuning`. Algorithms talk to peers only through
-:class:`Call` (post, send, post_recv, recv, exchange, compute_and_post), so every backend runs
+Thresholds live in ``asynccoll.tuning``. Algorithms talk to peers only through
+``Call`` (post, send, post_recv, recv, exchange, compute_and_post), so every backend runs
 exactly this code; where a backend differs, the algorithm reads its flags (``lends``: payloads
 can be read in place; ``polls``) rather than its type.
 """
@@ -75,8 +75,8 @@ async def settle(pending: list[asyncio.Future[None] | None]) -> None:
 class Call:
     """One collective in flight: its sequence number and signature, and peer I/O by group rank.
 
-    Sends are *posted* (:meth:`post` never blocks; it returns a future when the payload is
-    still in use) and receives can be posted ahead (:meth:`post_recv`), so algorithms overlap
+    Sends are *posted* (``post`` never blocks; it returns a future when the payload is
+    still in use) and receives can be posted ahead (``post_recv``), so algorithms overlap
     transfers with each other and with reductions without creating tasks.
     """
 
@@ -117,9 +117,9 @@ class Call:
                   borrow: bool = False) -> Recv:
         """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later.
 
-        ``borrow``: the data is only read, and :meth:`Recv.release` is called once it was;
-        a transport that :attr:`~Transport.lends` then hands over the sender's memory
-        instead of filling ``into`` (see :meth:`Recv.get`).
+        ``borrow``: the data is only read, and ``Recv.release`` is called once it was;
+        a transport that ``lends`` then hands over the sender's memory
+        instead of filling ``into`` (see ``Recv.get``).
         """
         key = (self.ranks[peer], _DATA, self.group, self.seq, step, 0)
         view = bytes_view(into) if into is not None else None
@@ -128,12 +128,12 @@ class Call:
 
     async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
                    resize: bool = False) -> np.ndarray:
-        """Receive the frame of ``step`` from group rank ``peer`` (see :meth:`Recv.get`)."""
+        """Receive the frame of ``step`` from group rank ``peer`` (see ``Recv.get``)."""
         return await self.post_recv(peer, step, into).get(resize=resize)
 
     async def exchange(self, dst: int, arr: np.ndarray, src: int, into: np.ndarray | None,
                        step: int, *, resize: bool = False) -> np.ndarray:
-        """Send ``arr`` to ``dst`` while receiving from ``src`` (see :meth:`Recv.get`)."""
+        """Send ``arr`` to ``dst`` while receiving from ``src`` (see ``Recv.get``)."""
         pending = self.post(dst, step, arr)
         got = await self.recv(src, step, into, resize=resize)
         if pending is not None:
@@ -226,7 +226,7 @@ class Recv:
 
         With ``resize``, a sender's array of another shape comes back as a new array;
         without, it is an error. A borrowing receive may return the sender's memory (of
-        ``into``'s shape), valid until :meth:`release`.
+        ``into``'s shape), valid until ``release``.
         """
         frame = await self.frame()
         h = frame.header
@@ -275,7 +275,7 @@ async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None
         await call.send(r + p, rounds + 1, flat)
 
 
-#: bytes :func:`copy_polling` copies between two turns of the event loop
+#: bytes ``copy_polling`` copies between two turns of the event loop
 COPY_CHUNK_BYTES = 1 << 20
 
 
@@ -373,7 +373,7 @@ async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     segment at a time (each chunk summed over all ranks while it is in cache), and sends
     each reduced segment straight on to every other rank. The bytes on the wire are the
     ring's; the difference is the number of peers at once (W-1 instead of 2). It is the
-    algorithm for transports that :attr:`~Transport.lends`: the reduce-scatter half reads
+    algorithm for transports that ``lends``: the reduce-scatter half reads
     the peers' arrays in place (no copy), and the all-gather half copies each chunk while
     it is still in cache (about 8 array sizes of memory traffic for 4 ranks, against ~15
     for the ring); the whole block is then one segment (one frame per peer and direction,
@@ -562,7 +562,7 @@ _TOKEN.flags.writeable = False
 
 def begin_barrier(call: Call, step0: int = 0) -> tuple[asyncio.Future[None] | None, Recv]:
     """Post round 0 of a dissemination barrier of 2 or more ranks now (see
-    :func:`dissemination_barrier`)."""
+    ``dissemination_barrier``)."""
     w, r = call.size, call.rank
     rcv = call.post_recv((r - 1) % w, step0)
     return call.post((r + 1) % w, step0, _TOKEN), rcv
@@ -570,7 +570,7 @@ def begin_barrier(call: Call, step0: int = 0) -> tuple[asyncio.Future[None] | No
 
 async def end_barrier(call: Call, step0: int,
                       first: tuple[asyncio.Future[None] | None, Recv]) -> None:
-    """The rest of a dissemination barrier whose round 0 :func:`begin_barrier` posted."""
+    """The rest of a dissemination barrier whose round 0 ``begin_barrier`` posted."""
     w, r = call.size, call.rank
     pending, rcv = first
     await rcv.frame()

@@ -1,4 +1,4 @@
-"""Entry points: :func:`init` (one process per rank) and :func:`run_local` (ranks as coroutines)."""
+"""Entry points: ``init`` (one process per rank) and ``run_local`` (ranks as coroutines)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ async def _memory_world(world_size: int, *, timeout: float, tuning: Tuning | Non
 
 def _staged(comms: list[Communicator], gpu_staging: bool) -> list[Communicator]:
     """With ``gpu_staging``, communicators that also take CuPy arrays (through pinned host
-    memory, :class:`asynccoll.gpu.HostStaged`)."""
+    memory, ``asynccoll.gpu.HostStaged``)."""
     if not gpu_staging:
         return comms
     from .gpu import HostStaged
@@ -71,12 +71,12 @@ async def run_local(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
     pending collectives fail) and cancelled, and the first error is re-raised.
 
     Args:
-        fn: coroutine function taking the rank's :class:`Communicator`.
+        fn: coroutine function taking the rank's ``Communicator``.
         world_size: number of ranks.
         backend: ``"memory"`` (queues in this process) or ``"tcp"`` (real loopback sockets and
             a real rendezvous server).
         timeout: per-collective timeout of every communicator.
-        tuning: algorithm thresholds (default :class:`~asynccoll.tuning.Tuning`).
+        tuning: algorithm thresholds (default ``Tuning``).
     """
     comms = await local_world(world_size, backend, timeout=timeout, tuning=tuning, **options)
     failures: list[BaseException] = []

@@ -3,7 +3,7 @@
 Each public collective validates its arguments (raising ``TypeError``/``ValueError`` before
 anything is sent), takes the next sequence number of its group, computes its *signature* (what
 all ranks must agree on: name, dtype, shape, op, root, algorithm) and runs one algorithm of
-:mod:`asynccoll.algorithms`, chosen by :mod:`asynccoll.tuning`.
+``asynccoll.algorithms``, chosen by ``asynccoll.tuning``.
 """
 
 from __future__ import annotations
@@ -159,14 +159,14 @@ class _Watchdog:
 class Communicator:
     """A group of ranks that run collectives together.
 
-    Obtain one from :func:`asynccoll.init`, :func:`asynccoll.run_local` or :meth:`new_group`.
+    Obtain one from ``asynccoll.init``, ``asynccoll.run_local`` or ``new_group``.
     All ranks of a group call the same collectives in the same order; several may be in flight
     at once (they are matched by sequence number, never mixed).
 
     Attributes:
         timeout: seconds a collective may make no progress before it raises
-            :class:`~asynccoll.CollectiveTimeout` (and breaks the communicator).
-        tuning: algorithm thresholds (:class:`~asynccoll.tuning.Tuning`); equal on all ranks.
+            ``CollectiveTimeout`` (and breaks the communicator).
+        tuning: algorithm thresholds (``Tuning``); equal on all ranks.
     """
 
     def __init__(self, transport: Transport, *, ranks: Sequence[int] | None = None,

@@ -1,10 +1,10 @@
 """Elastic membership: worlds that shrink when a process dies and grow when one joins.
 
 An elastic job is a sequence of *generations*. Each generation is an ordinary TCP world
-(a fresh :class:`~asynccoll.Communicator`) over the processes that joined it; when a member is
+(a fresh ``Communicator``) over the processes that joined it; when a member is
 lost or a new process asks to join, the next generation opens, every live process joins it,
-and a new world forms, without restarting any process. :class:`ElasticGroup` does the
-membership; :class:`asynccoll.parallel.elastic.ElasticTrainer` carries training state across
+and a new world forms, without restarting any process. ``ElasticGroup`` does the
+membership; ``asynccoll.parallel.elastic.ElasticTrainer`` carries training state across
 generations.
 
 Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezvous``), under
@@ -22,8 +22,8 @@ Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezv
 
 A process that finds generation G already closed without it asks for G+1 (unless G is full,
 then it waits as a spare for the next generation); the running members see the newer round at
-their next step boundary (:meth:`ElasticGroup.should_reform`) and move over together. A member
-whose collective fails (a peer died: :class:`~asynccoll.PeerLostError`) opens the next
+their next step boundary (``ElasticGroup.should_reform``) and move over together. A member
+whose collective fails (a peer died: ``PeerLostError``) opens the next
 generation itself.
 """
 
@@ -68,7 +68,7 @@ class Generation:
 
 
 class ElasticGroup:
-    """This process's membership in an elastic job. Create with :meth:`connect`.
+    """This process's membership in an elastic job. Create with ``connect``.
 
     Args:
         min_nodes: a generation forms only with at least this many processes.
@@ -216,8 +216,8 @@ class ElasticGroup:
     async def form(self) -> Communicator:
         """Leave the current world (if any) and join the next generation's.
 
-        Returns the new communicator (also :attr:`comm`); :attr:`generation` describes it.
-        Raises :class:`~asynccoll.RendezvousError` if no generation with ``min_nodes``
+        Returns the new communicator (also ``comm``); ``generation`` describes it.
+        Raises ``RendezvousError`` if no generation with ``min_nodes``
         members forms within ``timeout``.
         """
         from .transport.tcp import tcp_store_world

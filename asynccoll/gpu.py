@@ -1,9 +1,9 @@
 """CuPy arrays on any backend: device-array helpers and staging through pinned host memory.
 
-The ``"nccl"`` backend (:mod:`asynccoll.transport.nccl`) moves CuPy arrays GPU to GPU. The
-other backends move NumPy arrays; :class:`HostStaged` lets them take CuPy arrays too, by
+The ``"nccl"`` backend (``asynccoll.transport.nccl``) moves CuPy arrays GPU to GPU. The
+other backends move NumPy arrays; ``HostStaged`` lets them take CuPy arrays too, by
 copying each one into pinned (page-locked) host memory, running the collective on that, and
-copying the result back to the GPU::
+copying the result back to the GPU:
 
     comm = await asynccoll.init(backend="tcp", gpu_staging=True)    # or run_local(...)
     await comm.all_reduce(cupy_array)        # in place on the GPU, through host memory
@@ -79,7 +79,7 @@ def to_device(host: np.ndarray, like: Any = None) -> Any:
 
 
 class DelegatingCommunicator(Communicator):
-    """A :class:`~asynccoll.Communicator` that forwards to another one (``inner``) every call
+    """A ``Communicator`` that forwards to another one (``inner``) every call
     it does not override. Subclasses change how some arrays travel; rank, size, timeout and
     lifetime are the inner communicator's."""
 
@@ -128,7 +128,7 @@ class DelegatingCommunicator(Communicator):
         return f"<{type(self).__name__} {self.backend} rank {self.rank}/{self.world_size}>"
 
     def _wrap(self, inner: Communicator) -> DelegatingCommunicator:
-        """The communicator :meth:`new_group` returns around the inner one's subgroup."""
+        """The communicator ``new_group`` returns around the inner one's subgroup."""
         return type(self)(inner, backend=self.backend)
 
     # -- forwarded ----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Mutual HMAC challenge-response handshake, sans-IO, plus small asyncio stream helpers.
 
-Every asynccoll connection (to the rendezvous server and between peer ranks) starts with::
+Every asynccoll connection (to the rendezvous server and between peer ranks) starts with:
 
     client -> server   HELLO      {"role", "rank", "nonce": Nc, "job"}
     server -> client   CHALLENGE  {"nonce": Ns, "proof": HMAC(token, "asynccoll/v1/server" Nc Ns)}
@@ -8,7 +8,7 @@ Every asynccoll connection (to the rendezvous server and between peer ranks) sta
     server -> client   WELCOME    {...}  or  REJECT {"reason"}
 
 Both sides prove they know the shared token without sending it; the client checks the server
-first, so it never talks to an impostor. :class:`ClientHandshake` and :class:`ServerHandshake`
+first, so it never talks to an impostor. ``ClientHandshake`` and ``ServerHandshake``
 are pure state machines (frames in, frames out) that any transport can drive; ``read_frame``,
 ``write_frame``, ``client_handshake`` and ``server_handshake`` drive them over asyncio streams.
 ``protocol/SPEC.md`` (section "Handshake") is the normative description.
@@ -158,8 +158,8 @@ class _State(enum.Enum):
 class ClientHandshake:
     """The connecting side of the handshake, as a state machine.
 
-    Call :meth:`hello`, send the frame; pass the server's answer to :meth:`on_challenge`, send
-    the frame it returns; pass the server's next frame to :meth:`on_result`, which returns the
+    Call ``hello``, send the frame; pass the server's answer to ``on_challenge``, send
+    the frame it returns; pass the server's next frame to ``on_result``, which returns the
     WELCOME meta. Deterministic when ``nonce`` is given (test vectors); random otherwise.
 
     Raises (from the ``on_*`` methods):
@@ -255,10 +255,10 @@ class ClientHandshake:
 class ServerHandshake:
     """The accepting side of the handshake, as a state machine.
 
-    Pass the client's first frame to :meth:`on_hello` and send the CHALLENGE it returns; pass
-    the next frame to :meth:`on_proof` and send the WELCOME or REJECT it returns. Afterwards
-    :attr:`accepted` says which, :attr:`reason` why not, and :attr:`peer_role`,
-    :attr:`peer_rank`, :attr:`peer_job` describe the client (as it announced itself).
+    Pass the client's first frame to ``on_hello`` and send the CHALLENGE it returns; pass
+    the next frame to ``on_proof`` and send the WELCOME or REJECT it returns. Afterwards
+    ``accepted`` says which, ``reason`` why not, and ``peer_role``,
+    ``peer_rank``, ``peer_job`` describe the client (as it announced itself).
 
     ``job``: when not empty, a client announcing another job id is rejected (``"job mismatch"``),
     but only after it proved it knows the token; unauthenticated clients always read
@@ -266,7 +266,7 @@ class ServerHandshake:
 
     Raises (from the ``on_*`` methods):
         ProtocolError: a frame of the wrong kind, or a field of the wrong type or length. The
-            caller may send :meth:`reject_frame` and must close the connection.
+            caller may send ``reject_frame`` and must close the connection.
         RuntimeError: the methods were called out of order (a bug in the caller).
     """
 
@@ -300,7 +300,7 @@ class ServerHandshake:
 
     @property
     def done(self) -> bool:
-        """True once :meth:`on_proof` returned (whether it accepted or rejected)."""
+        """True once ``on_proof`` returned (whether it accepted or rejected)."""
         return self._state is _State.DONE
 
     def _expect(self, state: _State, method: str) -> None:
@@ -339,7 +339,7 @@ class ServerHandshake:
     def on_proof(self, frame: Frame) -> Frame:
         """Check the client's PROOF; return WELCOME (accepted) or REJECT.
 
-        Sets :attr:`accepted` and, on refusal, :attr:`reason` (``"authentication failed"`` or
+        Sets ``accepted`` and, on refusal, ``reason`` (``"authentication failed"`` or
         ``"job mismatch"``).
 
         Raises:
@@ -442,7 +442,7 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
                            welcome_meta: dict[str, Any] | None = None) -> ServerHandshake:
     """Run the server side of the handshake over asyncio streams.
 
-    Returns the accepted :class:`ServerHandshake` (see ``peer_role``, ``peer_rank``).
+    Returns the accepted ``ServerHandshake`` (see ``peer_role``, ``peer_rank``).
 
     Raises:
         AuthenticationError: the client's proof was wrong or its job id differs; REJECT was

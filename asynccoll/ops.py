@@ -42,7 +42,7 @@ _BITWISE = frozenset((ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR))
 
 
 def check_op(op: Any, dtype: np.dtype[Any]) -> ReduceOp:
-    """Validate ``op`` for ``dtype``; return it as a :class:`ReduceOp`.
+    """Validate ``op`` for ``dtype``; return it as a ``ReduceOp``.
 
     Raises:
         TypeError: ``op`` is not a ReduceOp, or does not fit the dtype.

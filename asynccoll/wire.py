@@ -4,7 +4,7 @@ Pure functions and one small incremental decoder: no sockets, no asyncio. The tr
 bytes this module produces; ``protocol/SPEC.md`` is the normative description and
 ``protocol/vectors/`` holds the test vectors that pin it down byte for byte.
 
-A frame is::
+A frame is:
 
     prefix   20 bytes, big-endian: magic "ACOL" | version u8 | kind u8 | flags u16 |
              header_len u32 | payload_len u64
@@ -85,9 +85,9 @@ class _Sentinel(enum.Enum):
     CLOSED = "CLOSED"
 
 
-#: Returned by :meth:`FrameDecoder.next_frame` when more bytes are needed.
+#: Returned by ``FrameDecoder.next_frame`` when more bytes are needed.
 NEED_DATA: Final = _Sentinel.NEED_DATA
-#: Returned by :meth:`FrameDecoder.next_frame` after a clean end of stream.
+#: Returned by ``FrameDecoder.next_frame`` after a clean end of stream.
 CLOSED: Final = _Sentinel.CLOSED
 
 
@@ -219,7 +219,7 @@ def encode_head(kind: FrameKind | int, header: FrameHeader, payload_len: int) ->
 def encode_data_head(kind: int, group: int, seq: int, step: int, tag: int, src: int,
                      dtype: str, shape: tuple[int, ...], sig: tuple[Any, ...] | None,
                      payload_len: int) -> bytes:
-    """:func:`encode_head` for DATA and P2P frames, without building a FrameHeader.
+    """``encode_head`` for DATA and P2P frames, without building a FrameHeader.
 
     The hot path of every collective: the caller vouches for the field values (they come from
     the library, not from the wire); the bytes are the same canonical encoding.
@@ -252,12 +252,12 @@ _U64S = struct.Struct("!Q")
 
 
 class HeadCache:
-    """:func:`encode_data_head` for the frames a rank sends again and again.
+    """``encode_data_head`` for the frames a rank sends again and again.
 
     Successive collectives of one kind differ in their headers only by the sequence number,
     so the encoding is kept as the bytes before and after it (a msgpack map is the
     concatenation of its keys' and values' encodings, in order), and a frame's head is those
-    two around the packed number: the same bytes as :func:`encode_data_head`, in a third of
+    two around the packed number: the same bytes as ``encode_data_head``, in a third of
     the time. Bounded: the cache starts over after ``limit`` distinct headers.
     """
 
@@ -303,9 +303,9 @@ def _read_uint(b: bytes, pos: int) -> tuple[int, int]:
 class HeaderMemo:
     """Decodes the DATA and P2P headers of one stream, remembering the ones it has seen.
 
-    The receiving side of :class:`HeadCache`: a header that differs from one decoded before
+    The receiving side of ``HeadCache``: a header that differs from one decoded before
     only by its group and sequence number (read straight from the bytes) is not decoded and
-    validated again. Anything else goes through :func:`decode_header`, which validates it
+    validated again. Anything else goes through ``decode_header``, which validates it
     fully. Bounded: it starts over after ``limit`` distinct headers (each entry holds a few
     hundred bytes; there is one memo per incoming connection, and a collective's frames on one
     connection differ by step and shape only, so a few distinct headers is the usual case).
@@ -320,12 +320,12 @@ class HeaderMemo:
         self.limit = limit
 
     def decode(self, body: bytes | bytearray | memoryview, kind: int) -> FrameHeader:
-        """:func:`decode_header` (the same result or the same ProtocolError)."""
+        """``decode_header`` (the same result or the same ProtocolError)."""
         return self._decode(body, kind)[0]
 
     def decode_checked(self, body: bytes | bytearray | memoryview, kind: FrameKind,
                        payload_len: int) -> FrameHeader:
-        """:func:`decode_header`, then :func:`check_payload`."""
+        """``decode_header``, then ``check_payload``."""
         header, expected = self._decode(body, kind)
         if expected != payload_len or expected is None:
             check_payload(kind, header, payload_len)
@@ -499,7 +499,7 @@ def _flat_enough(sig: tuple[Any, ...]) -> bool:
 
 
 def _decode_data_header(body: bytes | bytearray | memoryview) -> FrameHeader:
-    """:func:`decode_header` for DATA and P2P frames, the hot path: msgpack builds the tuples
+    """``decode_header`` for DATA and P2P frames, the hot path: msgpack builds the tuples
     itself, only the signature can nest (``meta`` does not belong in these frames), and the
     fields are checked here once (what ``FrameHeader.__post_init__`` checks) rather than in
     the dataclass. Anything unusual goes to the general path, which explains what is wrong."""
@@ -531,11 +531,11 @@ def check_payload(kind: FrameKind, header: FrameHeader, payload_len: int) -> Non
 
 
 class FrameDecoder:
-    """Incremental decoder: bytes in with :meth:`feed`, frames out with :meth:`next_frame`.
+    """Incremental decoder: bytes in with ``feed``, frames out with ``next_frame``.
 
     It buffers at most one prefix and header (<= 20 + 64 KiB) plus the payload bytes actually
     received; it never allocates from a length it has not validated against ``max_payload``.
-    After a :class:`ProtocolError` the decoder is dead and every call raises again.
+    After a ``ProtocolError`` the decoder is dead and every call raises again.
     """
 
     def __init__(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
@@ -669,8 +669,8 @@ PayloadSink = Callable[[FrameKind, FrameHeader, int], "memoryview | None"]
 class BufferedFrameReader:
     """Sans-IO frame reader for ``asyncio.BufferedProtocol``-style I/O.
 
-    The I/O layer asks :meth:`get_buffer` where to put the next bytes and reports with
-    :meth:`buffer_updated` how many arrived. Small frames are parsed out of a staging buffer;
+    The I/O layer asks ``get_buffer`` where to put the next bytes and reports with
+    ``buffer_updated`` how many arrived. Small frames are parsed out of a staging buffer;
     once a header is parsed, ``sink`` picks the payload's destination, and the rest of a large
     payload is read straight into it (no intermediate copy). Frames come out whole, in order.
     """

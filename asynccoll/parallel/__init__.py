@@ -4,7 +4,7 @@ compression, checkpoints, and the one-line entry points.
 >>> dist = as_distributed(model, comm, Adam(lr=1e-3), strategy="zero3")   # doctest: +SKIP
 >>> loss = await dist.step(batch)                                         # doctest: +SKIP
 
-Importing this package imports no optional dependency; :class:`TorchModel` imports torch when
+Importing this package imports no optional dependency; ``TorchModel`` imports torch when
 first used.
 """
 

@@ -1,8 +1,8 @@
 """The NumPy math of the reference MLP, written once for every model built on it.
 
-:class:`~asynccoll.parallel.mlp.MLP`, :class:`~asynccoll.parallel.tensor.TensorParallelMLP`,
-:class:`~asynccoll.parallel.pipeline.MLPStage` and
-:class:`~asynccoll.parallel.hybrid.TensorParallelStage` all compute a layer as
+``MLP``, ``TensorParallelMLP``,
+``MLPStage`` and
+``TensorParallelStage`` all compute a layer as
 ``z = a @ W.T + b``, an activation after every layer but the last, and the loss as a mean over
 the samples; these pure functions are that math, plus the checks of a batch. The order of the
 floating-point operations is part of the contract: a model that calls them computes the same
@@ -92,7 +92,7 @@ def check_targets(loss: str, target: Any, n: int, out: int, dtype: np.dtype[Any]
 def check_batch(batch: Any, sizes: Sequence[int], loss: str, dtype: np.dtype[Any]
                 ) -> tuple[np.ndarray, np.ndarray]:
     """``batch = (inputs, targets)`` of an MLP of widths ``sizes`` checked and converted:
-    inputs ``(n, sizes[0])`` of ``dtype``, targets as :func:`check_targets` says. Raises
+    inputs ``(n, sizes[0])`` of ``dtype``, targets as ``check_targets`` says. Raises
     ``ValueError`` for anything else, and for an empty batch (its mean loss is undefined)."""
     try:
         x, y = batch
@@ -156,7 +156,7 @@ def mean_loss(loss: str, out: np.ndarray, target: np.ndarray, *, grad: bool,
 
     ``"mse"``: ``0.5 * sum((out - target) ** 2)`` per sample; ``"cross_entropy"``:
     ``-log softmax(out)[label]``, with ``target`` the integer labels. The targets are not
-    checked (see :func:`check_targets`). With ``grad`` the gradient is computed in ``out``,
+    checked (see ``check_targets``). With ``grad`` the gradient is computed in ``out``,
     which is overwritten; without, ``out`` is not changed.
 
     Without ``weight`` the sums are divided by ``n``. With it both the loss and the gradient

@@ -12,7 +12,7 @@ Every rank writes only its own shard, whatever the strategy (replicated state is
 way), so the files add up to one copy of everything. Loading reassembles the whole flat arrays
 from the ranges and gives each new rank its part, so a checkpoint saved by N ranks with one
 strategy loads into M ranks with any strategy, or into a plain model in one process
-(:func:`load_parameters`). The directory must be visible to every rank (one machine, or a
+(``load_parameters``). The directory must be visible to every rank (one machine, or a
 shared file system). Error-feedback residuals of gradient compression are not saved: they
 restart from zero.
 """

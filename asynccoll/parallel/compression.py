@@ -10,7 +10,7 @@ them itself, in rank order, with the same NumPy operations.
 Error feedback (``error_feedback=True``): what compression dropped from a bucket, ``(grad +
 residual) - decompressed``, is kept per ``key`` and added to the next gradient of that bucket,
 so that nothing is lost for good, only delayed. It is what makes aggressive sparsification
-converge; :meth:`Compression.state_dict` / :meth:`Compression.load_state_dict` carry it through
+converge; ``Compression.state_dict`` / ``Compression.load_state_dict`` carry it through
 checkpoints. Non-finite values (an overflowed step under loss scaling) propagate to the result
 as they would uncompressed, and are never stored in a residual.
 
@@ -135,7 +135,7 @@ class Compression(abc.ABC):
     """A gradient-exchange hook: compress, exchange, decompress, average.
 
     Attributes:
-        name: the :func:`make_compression` spelling of this method.
+        name: the ``make_compression`` spelling of this method.
         bytes_sent: payload bytes this hook's collectives have made this rank send (what the
             transport counts for them), cumulative; the module docstring has the formula per
             method.
@@ -210,7 +210,7 @@ class Compression(abc.ABC):
                 "residuals": {k: v.copy() for k, v in self._residuals.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (arrays are copied).
+        """Restore what ``state_dict`` returned (arrays are copied).
 
         Raises:
             ValueError: the state is from another method, or malformed.
@@ -235,7 +235,7 @@ class Compression(abc.ABC):
             self._layouts[k] = (a.size, a.dtype)
 
     def _load_extra(self, state: Mapping[str, Any]) -> None:
-        """Method-specific state of :meth:`load_state_dict` (none by default)."""
+        """Method-specific state of ``load_state_dict`` (none by default)."""
         return None
 
     def reset(self) -> None:
@@ -429,7 +429,7 @@ class Int8(Compression):
         return q.astype(np.int8).reshape(-1)[:n], scales
 
     def decode(self, q: np.ndarray, scales: np.ndarray, dtype: Any) -> np.ndarray:
-        """The values that :meth:`encode`'s ``(q, scales)`` stand for, as ``dtype``."""
+        """The values that ``encode``'s ``(q, scales)`` stand for, as ``dtype``."""
         n = q.size
         b, nb = self._blocking(n)
         out = np.zeros(nb * b, dtype)
@@ -573,7 +573,7 @@ def _orthonormal_columns(p: np.ndarray) -> np.ndarray:
 def make_compression(spec: str | Compression | None) -> Compression:
     """A hook from a short name: ``None``/``"none"``, ``"fp16"``, ``"bf16"``, ``"topk"`` or
     ``"topk:RATIO"``, ``"int8"`` or ``"int8:BLOCK"``, ``"powersgd"`` or ``"powersgd:RANK"``
-    (defaults of the classes otherwise). A :class:`Compression` is returned as it is.
+    (defaults of the classes otherwise). A ``Compression`` is returned as it is.
 
     Raises:
         ValueError: an unknown name or a bad parameter (the message lists the accepted names).

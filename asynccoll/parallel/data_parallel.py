@@ -54,7 +54,7 @@ class MemoryReport:
     ``params``, ``grads`` and ``optimizer`` are what stays allocated between steps;
     ``gathered_peak`` is the most ZeRO-3 held in gathered (whole) buckets at once, and
     ``grad_buffers_peak`` the most ZeRO-2/3 held in whole-bucket gradient buffers at once
-    (both since the wrapper was made or :meth:`DistributedModel.reset_peaks`).
+    (both since the wrapper was made or ``DistributedModel.reset_peaks``).
     """
 
     params: int
@@ -89,30 +89,30 @@ class _Hooks:
 
 
 class DistributedModel:
-    """A model trained data-parallel over ``comm`` with one of :data:`STRATEGIES`.
+    """A model trained data-parallel over ``comm`` with one of ``STRATEGIES``.
 
-    Typical loop (every rank runs it on its own share of each batch)::
+    Typical loop (every rank runs it on its own share of each batch):
 
         dist = DistributedModel(model, comm, Adam(lr=1e-3), strategy="zero2")
         for batch in my_batches:
             loss = await dist.step(batch)     # forward, backward, exchange, optimizer step
 
-    Gradient accumulation: call :meth:`forward_backward` several times, then
-    :meth:`optimizer_step`; under :meth:`no_sync` the DDP and ZeRO-1 strategies skip the
+    Gradient accumulation: call ``forward_backward`` several times, then
+    ``optimizer_step``; under ``no_sync`` the DDP and ZeRO-1 strategies skip the
     gradient exchange (it happens, on the sum, at the next pass outside ``no_sync``). ZeRO-2/3
     keep only their gradient shard, so they exchange every pass and accumulate the shards.
 
     Args:
-        model: the :class:`~asynccoll.parallel.model.Model` (every rank builds the same one;
+        model: the ``Model`` (every rank builds the same one;
             rank 0's initial parameters win, they are broadcast at the first pass).
         comm: the communicator whose ranks share the work.
         optimizer: applied to this rank's parameters (``ddp``) or to its shard (ZeRO);
-            optional, but :meth:`optimizer_step` needs one.
+            optional, but ``optimizer_step`` needs one.
         strategy: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
         bucket_bytes: gradients (and, for ZeRO-3, parameters) travel in buckets of whole units
             of at least this many bytes; default 25 MiB, and 0 (one unit per bucket) for ZeRO-3.
         compression: a gradient compression hook or its name (see
-            :func:`~asynccoll.parallel.compression.make_compression`); it replaces the averaging
+            ``make_compression``); it replaces the averaging
             all-reduce, so only ``ddp`` and ``zero1`` accept it.
         prefetch: ZeRO-3 gathers the next bucket while the current one computes.
     """
@@ -236,7 +236,7 @@ class DistributedModel:
 
     async def forward_backward(self, batch: Any) -> float:
         """Forward and backward on ``batch``, adding to the gradients, exchanging them unless
-        under :meth:`no_sync`. Returns this rank's loss."""
+        under ``no_sync``. Returns this rank's loss."""
         await self.start()
         return await self._pass(self.model.forward_backward(batch, _Hooks(self, backward=True)))
 
@@ -304,7 +304,7 @@ class DistributedModel:
         self._steps += 1
 
     def zero_grad(self) -> None:
-        """Forget the accumulated gradients (:meth:`optimizer_step` does this itself)."""
+        """Forget the accumulated gradients (``optimizer_step`` does this itself)."""
         for g in (self._grads, self._shard_grads):
             if g is not None:
                 g.fill(0)
@@ -383,7 +383,7 @@ class DistributedModel:
 
     async def full_state(self) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
         """Whole flat parameters and optimizer buffers on every rank (a collective: the shards
-        are all-gathered), and the optimizer's step count: what :meth:`load_full_state` takes,
+        are all-gathered), and the optimizer's step count: what ``load_full_state`` takes,
         with any number of ranks and any strategy. Elastic training commits this."""
         await self.start()
         lay = self.layout

@@ -32,10 +32,10 @@ def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None
     Args:
         strategy: ``"ddp"`` (replicated), ``"zero1"``, ``"zero2"`` or ``"zero3"`` (sharded
             optimizer state, + gradients, + parameters); see
-            :mod:`asynccoll.parallel.data_parallel`.
+            ``asynccoll.parallel.data_parallel``.
         compression: ``None``, ``"fp16"``, ``"bf16"``, ``"topk"``, ``"int8"``... or a
-            :class:`~asynccoll.parallel.compression.Compression` (``ddp``/``zero1`` only).
-        preset: ``"high_bandwidth"`` or ``"low_bandwidth"`` (see :data:`PRESETS`); explicit
+            ``Compression`` (``ddp``/``zero1`` only).
+        preset: ``"high_bandwidth"`` or ``"low_bandwidth"`` (see ``PRESETS``); explicit
             arguments win over the preset's.
     """
     settings: dict[str, Any] = {}
@@ -54,21 +54,21 @@ def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None
 def as_distributed_for_high_bandwidth(model: Model, comm: Communicator,
                                       optimizer: Optimizer | None = None, *,
                                       strategy: str = "ddp") -> DistributedModel:
-    """:func:`as_distributed` with the ``high_bandwidth`` preset."""
+    """``as_distributed`` with the ``high_bandwidth`` preset."""
     return as_distributed(model, comm, optimizer, strategy=strategy, preset="high_bandwidth")
 
 
 def as_distributed_for_low_bandwidth(model: Model, comm: Communicator,
                                      optimizer: Optimizer | None = None, *,
                                      strategy: str = "ddp") -> DistributedModel:
-    """:func:`as_distributed` with the ``low_bandwidth`` preset (``ddp`` or ``zero1``)."""
+    """``as_distributed`` with the ``low_bandwidth`` preset (``ddp`` or ``zero1``)."""
     return as_distributed(model, comm, optimizer, strategy=strategy, preset="low_bandwidth")
 
 
 class DistributedOptimizer:
-    """The optimizer side of a :class:`DistributedModel`: ``step`` applies the averaged
+    """The optimizer side of a ``DistributedModel``: ``step`` applies the averaged
     gradients (to this rank's shard under ZeRO) and shares the result; ``zero_grad`` forgets
-    accumulated gradients. Made by :func:`as_distributed_optimizer`."""
+    accumulated gradients. Made by ``as_distributed_optimizer``."""
 
     def __init__(self, optimizer: Optimizer, dist: DistributedModel) -> None:
         self.optimizer = optimizer

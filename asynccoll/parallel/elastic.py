@@ -1,12 +1,12 @@
 """Elastic data-parallel training: go on when workers die or join, from the last commit.
 
-:class:`ElasticTrainer` drives a :class:`~asynccoll.parallel.DistributedModel` (any strategy)
-through the generations of an :class:`~asynccoll.elastic.ElasticGroup`:
+``ElasticTrainer`` drives a ``DistributedModel`` (any strategy)
+through the generations of an ``ElasticGroup``:
 
 - Every ``commit_every`` steps it *commits*: every rank keeps a copy of the whole training
   state (parameters, optimizer buffers, step count; ZeRO shards are all-gathered for it). A
   failure loses at most the steps since the last commit.
-- When a collective fails (a member died: :class:`~asynccoll.PeerLostError`, or timed out),
+- When a collective fails (a member died: ``PeerLostError``, or timed out),
   every survivor falls back to its last commit, joins the next generation and the world
   re-forms without the dead member.
 - At every ``check_every``-th step boundary the ranks agree (one small all_reduce) on whether
@@ -46,7 +46,7 @@ class ElasticTrainer:
     """Run training steps across the generations of ``group``.
 
     Args:
-        group: this process's :class:`~asynccoll.elastic.ElasticGroup`.
+        group: this process's ``ElasticGroup``.
         build: makes the wrapped model for a new world: ``build(comm) -> DistributedModel``
             (called again at every re-formation, with the new communicator).
         commit_every: steps between commits (the most a failure can lose).
@@ -54,7 +54,7 @@ class ElasticTrainer:
         max_reforms: give up (re-raise) after this many re-formations in a row without a
             completed step.
 
-    Use::
+    Use:
 
         async with await ElasticGroup.connect() as group:
             trainer = ElasticTrainer(group, build, commit_every=10)
@@ -187,7 +187,7 @@ class ElasticTrainer:
 async def run_elastic(group: ElasticGroup, build: Callable[[Communicator], DistributedModel],
                       step_fn: Callable[[DistributedModel, int], Awaitable[Any]], steps: int,
                       *, commit_every: int = 10, check_every: int = 1) -> ElasticTrainer:
-    """Train ``steps`` steps with :class:`ElasticTrainer`; returns the trainer (its ``dist``
+    """Train ``steps`` steps with ``ElasticTrainer``; returns the trainer (its ``dist``
     holds the final model)."""
     trainer = ElasticTrainer(group, build, commit_every=commit_every, check_every=check_every)
     await trainer.start()

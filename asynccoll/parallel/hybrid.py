@@ -5,11 +5,11 @@ configuration.
                                  optimizer=Adam(lr=1e-3), strategy="zero1", micro_batches=4)
     loss = await hybrid.step((x, y))          # every rank passes the same global batch
 
-The world is laid out as a :class:`~asynccoll.parallel.mesh.Mesh` (tensor innermost). Along
+The world is laid out as a ``Mesh`` (tensor innermost). Along
 ``pipe`` the model is cut into stages (balanced by parameter count, or at ``cuts``); inside a
 stage its layers are split Megatron-style over the ``tensor`` group
-(:class:`TensorParallelStage`), and along ``data`` every stage's (sharded) parameters are
-trained data-parallel by a :class:`~asynccoll.parallel.data_parallel.DistributedModel` with
+(``TensorParallelStage``), and along ``data`` every stage's (sharded) parameters are
+trained data-parallel by a ``DistributedModel`` with
 any strategy. Each data replica gets ``1/data`` of every batch (``numpy.array_split``), each
 pipeline splits its share into micro-batches, and every tensor rank of a stage computes on
 the whole micro-batch.
@@ -42,7 +42,7 @@ class TensorParallelStage(Stage):
     """Layers ``[start, stop)`` of ``mlp`` as a pipeline stage, tensor parallel over ``comm``.
 
     Parameter names are the MLP's (``layers.{i}.weight``, with global ``i``) and layer ``i``
-    is unit ``i - start``, as in :class:`~asynccoll.parallel.pipeline.MLPStage`; the shapes
+    is unit ``i - start``, as in ``MLPStage``; the shapes
     are this rank's shards. Inputs and outputs are whole on every tensor rank (a stage that
     is not the last applies the activation to its output, as ``MLPStage`` does).
     """
@@ -135,16 +135,16 @@ class TensorParallelStage(Stage):
 
 
 class Hybrid:
-    """Data x pipeline x tensor parallel training of an :class:`MLP`. Build with
-    :meth:`create` (a collective over ``comm``).
+    """Data x pipeline x tensor parallel training of an ``MLP``. Build with
+    ``create`` (a collective over ``comm``).
 
     Attributes:
-        mesh: the :class:`~asynccoll.parallel.mesh.Mesh`.
-        stage: this rank's stage (:class:`TensorParallelStage`, or
-            :class:`~asynccoll.parallel.pipeline.MLPStage` when ``tensor == 1``).
-        pipeline: the :class:`~asynccoll.parallel.pipeline.PipelineParallel` over the pipe
+        mesh: the ``Mesh``.
+        stage: this rank's stage (``TensorParallelStage``, or
+            ``MLPStage`` when ``tensor == 1``).
+        pipeline: the ``PipelineParallel`` over the pipe
             group.
-        dist: the :class:`~asynccoll.parallel.data_parallel.DistributedModel` over the data
+        dist: the ``DistributedModel`` over the data
             group.
         layers: every stage's ``(start, stop)`` layer range.
     """
@@ -165,7 +165,7 @@ class Hybrid:
 
         Every rank passes the same ``mlp`` (its parameters are the starting point), sizes
         and settings. ``data_parallel`` goes to
-        :class:`~asynccoll.parallel.data_parallel.DistributedModel` (``bucket_bytes``,
+        ``DistributedModel`` (``bucket_bytes``,
         ``compression``, ``prefetch``).
         """
         mesh = await Mesh.create(comm, data=data, pipe=pipe, tensor=tensor)

@@ -1,7 +1,7 @@
 """Where every parameter lives in the wrappers' flat buffers, and which rank owns what.
 
 A model's parameters (one dtype) are laid end to end in one flat array, in the order of
-:meth:`~asynccoll.parallel.model.Model.param_specs` (units ascending). Consecutive units are
+``param_specs`` (units ascending). Consecutive units are
 grouped into *buckets*, the unit of communication: DDP all-reduces a bucket's gradients once
 its last gradient is final; ZeRO reduce-scatters them, and ZeRO-3 all-gathers a bucket's
 parameters just before it runs. Buckets are filled from the last unit backwards (the order the

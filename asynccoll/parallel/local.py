@@ -1,8 +1,8 @@
 """Training in one process, the way the distributed wrappers train: the reference they equal.
 
-:func:`train_locally` binds a model to one flat parameter buffer and one flat gradient buffer
+``train_locally`` binds a model to one flat parameter buffer and one flat gradient buffer
 and applies a flat optimizer after every whole batch, exactly the arithmetic of
-:class:`~asynccoll.parallel.DistributedModel` with one rank. Tests and examples compare a
+``DistributedModel`` with one rank. Tests and examples compare a
 distributed run (any strategy, world size, pipeline or tensor split) with it.
 """
 

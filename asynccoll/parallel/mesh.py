@@ -2,7 +2,7 @@
 
 Model parallelism splits one model over several ranks (its layers over a *pipeline*, each
 layer's matrices over a *tensor* group), and data parallelism replicates the result. A
-:class:`Mesh` gives every rank one communicator per dimension, so that the three kinds of
+``Mesh`` gives every rank one communicator per dimension, so that the three kinds of
 parallelism compose: a rank all-reduces its gradients with the ranks that hold the same part of
 the model (``mesh.data``), passes activations to the next stage of its pipeline
 (``mesh.pipe``), and sums partial products with the ranks that share its layers
@@ -11,7 +11,7 @@ the model (``mesh.data``), passes activations to the next stage of its pipeline
 The tensor dimension is the innermost, as in Megatron-LM: with ``D x P x T`` ranks, the rank
 at coordinates ``(d, p, t)`` is ``(d * P + p) * T + t``, so tensor-parallel ranks (which talk
 at every layer) are neighbours, likely on one machine, and data-parallel ranks (which talk once
-per step) are the furthest apart. For ``2 x 2 x 2``::
+per step) are the furthest apart. For ``2 x 2 x 2``:
 
     rank  (d, p, t)     data group   pipe group   tensor group
       0   (0, 0, 0)      [0, 4]       [0, 2]       [0, 1]
@@ -20,7 +20,7 @@ per step) are the furthest apart. For ``2 x 2 x 2``::
       ...
       7   (1, 1, 1)      [3, 7]       [5, 7]       [6, 7]
 
-:class:`MeshShape` holds the arithmetic (no communication); :meth:`Mesh.create` builds the
+``MeshShape`` holds the arithmetic (no communication); ``Mesh.create`` builds the
 sub-communicators with ``comm.new_group`` on every rank.
 
 >>> shape = MeshShape.resolve(8, data=2, pipe=2, tensor=2)
@@ -138,7 +138,7 @@ class MeshShape(NamedTuple):
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of dimension ``dim``, ordered by the coordinates of the other two
-        dimensions (outermost first): the order :meth:`Mesh.create` builds them in."""
+        dimensions (outermost first): the order ``Mesh.create`` builds them in."""
         axis = _axis(dim)
         seen: set[int] = set()
         out = []
@@ -160,12 +160,12 @@ def _axis(dim: str) -> int:
 
 class Mesh:
     """This rank's place in a ``data x pipe x tensor`` mesh and its communicator along each
-    dimension. Build it with :meth:`create` (a collective over the world communicator).
+    dimension. Build it with ``create`` (a collective over the world communicator).
 
     Attributes:
         world: the communicator the mesh was built over.
-        shape: the :class:`MeshShape`.
-        coords: this rank's :class:`MeshCoords`; its rank in each dimension's communicator is
+        shape: the ``MeshShape``.
+        coords: this rank's ``MeshCoords``; its rank in each dimension's communicator is
             its coordinate along that dimension.
         data, pipe, tensor: this rank's communicator along each dimension (a size-1
             dimension still has one, of size 1).

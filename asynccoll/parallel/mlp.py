@@ -1,4 +1,4 @@
-"""A NumPy multi-layer perceptron with a hand-written backward: the reference :class:`Model`.
+"""A NumPy multi-layer perceptron with a hand-written backward: the reference ``Model``.
 
 Layer ``i`` computes ``z = a @ W.T + b`` and, except for the last layer, ``a' = act(z)``; the
 last layer is linear (predictions for ``"mse"``, logits for ``"cross_entropy"``). Each layer is
@@ -39,10 +39,10 @@ from .model import Hooks, Model, NoHooks, ParamSpec
 
 def validate_bindings(specs: Mapping[str, ParamSpec], arrays: Mapping[str, np.ndarray] | None,
                       what: str) -> dict[str, np.ndarray]:
-    """Check arrays given to :meth:`Model.bind`: known names, numpy arrays of the spec's dtype
+    """Check arrays given to ``Model.bind``: known names, numpy arrays of the spec's dtype
     and of its shape or of size 0 (released). Returns them as a dict; raises ``KeyError`` for
     an unknown name and ``TypeError`` / ``ValueError`` for a wrong array. Shared by the
-    :class:`Model` implementations of this package."""
+    ``Model`` implementations of this package."""
     out: dict[str, np.ndarray] = {}
     for name, array in (arrays or {}).items():
         spec = specs.get(name)
@@ -61,9 +61,9 @@ def validate_bindings(specs: Mapping[str, ParamSpec], arrays: Mapping[str, np.nd
 
 
 class _BoundArrays:
-    """The parameter side of a :class:`Model` (or pipeline stage) that keeps its parameters
-    and gradients in NumPy arrays :meth:`bind` can replace: ``_specs``, ``_by_name`` and the
-    ``_params`` / ``_grads`` dicts, set by :meth:`_own`."""
+    """The parameter side of a ``Model`` (or pipeline stage) that keeps its parameters
+    and gradients in NumPy arrays ``bind`` can replace: ``_specs``, ``_by_name`` and the
+    ``_params`` / ``_grads`` dicts, set by ``_own``."""
 
     _specs: list[ParamSpec]
     _by_name: dict[str, ParamSpec]
@@ -105,7 +105,7 @@ class _BoundArrays:
 
 
 class _LayerArrays(_BoundArrays):
-    """:class:`_BoundArrays` of MLP layers (``layers.{u}.weight`` / ``layers.{u}.bias``), with
+    """``_BoundArrays`` of MLP layers (``layers.{u}.weight`` / ``layers.{u}.bias``), with
     accessors that refuse released (zero-size) arrays."""
 
     def _param(self, u: int, kind: str) -> np.ndarray:
@@ -142,7 +142,7 @@ class MLP(_LayerArrays, Model):
             layer i uniform in ``±1/sqrt(sizes[i])``, as torch's ``nn.Linear``.
 
     Parameters are ``layers.{i}.weight`` ``(out, in)`` and ``layers.{i}.bias`` ``(out,)``,
-    unit ``i``. Until :meth:`bind` replaces them the model owns its parameter arrays and
+    unit ``i``. Until ``bind`` replaces them the model owns its parameter arrays and
     zero-filled gradient arrays.
     """
 
@@ -168,7 +168,7 @@ class MLP(_LayerArrays, Model):
 
     async def forward_backward(self, batch: Any, hooks: Hooks | None = None) -> float:
         """Loss of ``batch = (x, y)`` (mean over samples); adds the gradients into the bound
-        gradient arrays, unit by unit, calling the hooks in the order :class:`Hooks` gives.
+        gradient arrays, unit by unit, calling the hooks in the order ``Hooks`` gives.
 
         Raises ``ValueError`` for a malformed batch (before any hook is called) and
         ``RuntimeError`` when a parameter or gradient it needs is released (zero-size). If

@@ -2,7 +2,7 @@
 async forward/backward pass that reports, through hooks, when it enters and leaves each unit.
 
 The wrappers own the memory: they allocate flat buffers, cut them into per-parameter views, and
-:meth:`Model.bind` makes the model read its parameters from (and accumulate its gradients into)
+``Model.bind`` makes the model read its parameters from (and accumulate its gradients into)
 those views. That is what lets them communicate few large arrays instead of many small ones,
 and, for ZeRO-3, materialise a unit's parameters only while the unit runs.
 
@@ -39,7 +39,7 @@ class ParamSpec:
 
 
 class Hooks(Protocol):
-    """Called by :meth:`Model.forward_backward` around every unit, in this order per unit:
+    """Called by ``Model.forward_backward`` around every unit, in this order per unit:
     ``before_forward(u)`` / ``after_forward(u)`` for u = 0..n-1, then ``before_backward(u)`` /
     ``after_backward(u)`` for u = n-1..0. ``after_backward(u)`` means the gradients of unit u
     are final for this pass (a wrapper may start communicating them). Hooks may await
@@ -72,13 +72,13 @@ class Model(abc.ABC):
 
     Contract:
 
-    * :meth:`param_specs` is fixed for the model's life; names are unique; units are numbered
+    * ``param_specs`` is fixed for the model's life; names are unique; units are numbered
       ``0..num_units-1`` in forward order and every unit has at least one parameter.
-    * :meth:`bind` replaces the arrays the model uses, without copying: after
+    * ``bind`` replaces the arrays the model uses, without copying: after
       ``bind(params={"w": view})`` the model reads ``w`` from ``view`` (and sees later in-place
       changes to it). Partial mappings rebind only the names given. A wrapper may bind a
       zero-size array to a parameter that is not needed until a hook says otherwise (ZeRO-3).
-    * :meth:`forward_backward` computes the loss of ``batch`` as a *mean over its samples*
+    * ``forward_backward`` computes the loss of ``batch`` as a *mean over its samples*
       and **adds** d(loss)/d(param) into the bound gradient arrays (the caller zeroes them;
       adding is what makes gradient accumulation work).
     """

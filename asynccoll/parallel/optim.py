@@ -5,7 +5,7 @@ one 1-D ``params`` array and one 1-D ``grads`` array of the same length and dtyp
 buffer is *elementwise*: element ``i`` of a buffer depends only on element ``i`` of the
 parameters and gradients. An optimizer run on the slice ``[a:b]`` therefore gives exactly the
 slice ``[a:b]`` of what it gives on the whole array, which is how ZeRO shards the optimizer
-state by index range: every rank runs a :meth:`Optimizer.clone` on its own range.
+state by index range: every rank runs a ``Optimizer.clone`` on its own range.
 
 The update rules are those of ``torch.optim`` (``SGD``, ``Adam``, ``AdamW``, without the
 ``amsgrad``, ``maximize`` and ``foreach`` variants), written with in-place NumPy ufuncs: a step
@@ -49,8 +49,8 @@ def _check_nonnegative(what: str, value: float) -> float:
 class Optimizer(abc.ABC):
     """An optimizer over one flat parameter array.
 
-    State is allocated lazily by the first :meth:`step`, for that length and dtype; later steps
-    must pass arrays of the same length and dtype. :attr:`lr` may be changed between steps
+    State is allocated lazily by the first ``step``, for that length and dtype; later steps
+    must pass arrays of the same length and dtype. ``lr`` may be changed between steps
     (a learning-rate schedule).
     """
 
@@ -79,7 +79,7 @@ class Optimizer(abc.ABC):
 
     @abc.abstractmethod
     def _configure(self, hyper: Mapping[str, Any]) -> None:
-        """Validate and set every hyperparameter of ``hyper`` (the keys of :attr:`hyper`)."""
+        """Validate and set every hyperparameter of ``hyper`` (the keys of ``hyper``)."""
 
     @abc.abstractmethod
     def _buffer_names(self) -> tuple[str, ...]:
@@ -97,7 +97,7 @@ class Optimizer(abc.ABC):
 
     @property
     def steps(self) -> int:
-        """Steps taken (or loaded with :meth:`load_state_dict`)."""
+        """Steps taken (or loaded with ``load_state_dict``)."""
         return self._step
 
     @property
@@ -144,7 +144,7 @@ class Optimizer(abc.ABC):
                 "buffers": {name: b.copy() for name, b in self._buffers.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (the buffers are copied).
+        """Restore what ``state_dict`` returned (the buffers are copied).
 
         ``hyper`` may be missing (keep the current hyperparameters). ``buffers`` must be empty,
         or hold exactly the buffers these hyperparameters need, all 1-D of one length and

@@ -1,7 +1,7 @@
-"""Asynchronous SGD with parameter servers: :class:`AsyncSGD`.
+"""Asynchronous SGD with parameter servers: ``AsyncSGD``.
 
 Some ranks are *servers*: together they hold the model's parameters, flat and in one dtype
-(laid out by :class:`~asynccoll.parallel.layout.FlatLayout`), cut into contiguous ranges the
+(laid out by ``FlatLayout``), cut into contiguous ranges the
 way ``numpy.array_split`` cuts the flat vector, one range per server. The other ranks are
 *workers*: each, at its own pace, pulls the current parameters from every server, computes a
 gradient on its own batch and pushes each server its range of it. Workers never wait for one
@@ -12,10 +12,10 @@ Message flow
 ------------
 
 Everything travels as point-to-point messages of the public Communicator (``send``/``recv``),
-on three fixed tags. A *header* is an ``int64`` array of :data:`HEADER_LEN` elements
+on three fixed tags. A *header* is an ``int64`` array of ``HEADER_LEN`` elements
 ``[kind or status, a, b, MAGIC]``; payloads are 1-D arrays of the parameters' dtype. Messages
 on one ``(peer, tag)`` arrive in order, so a header and the payload that follows it never mix.
-A worker holds one lock per server, so one exchange at a time runs on each channel::
+A worker holds one lock per server, so one exchange at a time runs on each channel:
 
     worker w                                         server s
     -- pull -----------------------------------------------------------------------
@@ -36,7 +36,7 @@ A worker holds one lock per server, so one exchange at a time runs on each chann
 
 A request the server cannot use (bad header, a shard size that does not match, a message
 after ``DONE``) gets ``REPLY [REFUSED, version, reason, MAGIC]``; the worker raises
-:class:`~asynccoll.CollectiveError` and the server stops serving it (state ``"failed"``).
+``CollectiveError`` and the server stops serving it (state ``"failed"``).
 
 Staleness
 ---------
@@ -47,7 +47,7 @@ A push computed on version ``v`` of a shard that is now at version ``V`` has sta
 staleness ``> k`` is either dropped (``stale="reject"``: the version does not move) or applied
 with the learning rate scaled by ``1 / (1 + staleness)`` (``stale="scale"``, as in
 staleness-aware async SGD). Every server counts, per worker, the pulls and the accepted,
-scaled and rejected pushes (:class:`ServerStats`). One worker with ``max_staleness=0`` is
+scaled and rejected pushes (``ServerStats``). One worker with ``max_staleness=0`` is
 exactly synchronous SGD.
 
 Failures and time
@@ -61,8 +61,8 @@ server that is slower to start than ``timeout`` likewise fails the workers' firs
 A worker that is lost (its connection breaks, or its channel times out) is removed, logged
 and reported (state ``"lost"``), and the server goes on serving the others, *if* the world
 isolates lost peers: the TCP backend with ``peer_loss="isolate"``. Under the default
-``peer_loss="abort"`` a lost peer breaks the whole world, so :meth:`AsyncSGD.serve` raises
-:class:`~asynccoll.PeerLostError` (or :class:`~asynccoll.CollectiveTimeout`) on every server,
+``peer_loss="abort"`` a lost peer breaks the whole world, so ``AsyncSGD.serve`` raises
+``PeerLostError`` (or ``CollectiveTimeout``) on every server,
 as collectives need. A lost *server* is fatal to the workers: their next step raises.
 Cancelling a pull or push midway breaks the communicator for everyone (the Communicator's
 cancellation contract).
@@ -205,7 +205,7 @@ class ServerStats:
 
 
 class _Counters:
-    """The mutable counters behind a :class:`WorkerStats`."""
+    """The mutable counters behind a ``WorkerStats``."""
 
     __slots__ = ("accepted", "error", "max_staleness", "pulls", "rejected", "scaled", "state")
 
@@ -294,7 +294,7 @@ class AsyncSGD:
 
     Every rank builds the same model and an ``AsyncSGD`` with the same ``servers``; server
     0's initial parameters are the ones training starts from. A worker's loop looks like the
-    synchronous one::
+    synchronous one:
 
         opt = AsyncSGD(model, comm, servers=(0,), optimizer=SGD(lr=0.05), max_staleness=4)
         if opt.is_server:
@@ -305,8 +305,8 @@ class AsyncSGD:
             await opt.finish()
 
     Args:
-        model: the :class:`~asynccoll.parallel.model.Model` (all parameters in one float
-            dtype). On workers it is bound to a flat buffer that :meth:`pull` fills; on
+        model: the ``Model`` (all parameters in one float
+            dtype). On workers it is bound to a flat buffer that ``pull`` fills; on
             server 0 its initial values are read once.
         comm: the communicator. Its ``timeout`` bounds every wait and must exceed a
             worker's longest step (see the module docstring).
@@ -323,7 +323,7 @@ class AsyncSGD:
     Raises:
         ValueError: bad ranks (out of range, repeated, a rank both server and worker, no
             worker), a negative ``max_staleness`` or an unknown ``stale`` mode.
-        TypeError: ``optimizer`` is not an :class:`~asynccoll.parallel.optim.Optimizer`, or
+        TypeError: ``optimizer`` is not an ``Optimizer``, or
             the parameters are not of one float dtype.
     """
 
@@ -419,7 +419,7 @@ class AsyncSGD:
 
     @property
     def steps(self) -> int:
-        """Steps this worker took with :meth:`step`."""
+        """Steps this worker took with ``step``."""
         return self._steps
 
     @property
@@ -435,16 +435,16 @@ class AsyncSGD:
             raise RuntimeError(f"{what} after finish(): this worker told the servers it is done")
 
     async def step(self, batch: Any) -> float:
-        """One asynchronous step on this worker's ``batch``: :meth:`pull` the current
-        parameters, run the model's forward and backward pass, :meth:`push` the gradient.
+        """One asynchronous step on this worker's ``batch``: ``pull`` the current
+        parameters, run the model's forward and backward pass, ``push`` the gradient.
 
         Returns the loss of ``batch`` (computed on the pulled parameters). What each server
-        did with the push is in :attr:`last_push`.
+        did with the push is in ``last_push``.
 
         Raises:
             CollectiveError: a server was lost, timed out or refused this worker (then the
                 step's push may or may not have reached the servers).
-            RuntimeError: called on a server, or after :meth:`finish`.
+            RuntimeError: called on a server, or after ``finish``.
         """
         self._check_worker("step()")
         await self.pull()
@@ -455,7 +455,7 @@ class AsyncSGD:
         return float(loss)
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffer the model adds into (:meth:`step` does it itself)."""
+        """Zero the gradient buffer the model adds into (``step`` does it itself)."""
         if self._grads is not None:
             self._grads.fill(0)
 
@@ -498,13 +498,13 @@ class AsyncSGD:
             grads: the gradient: ``None`` for the buffer the model's backward pass added
                 into, a flat array of all parameters (in layout order), or a mapping from
                 parameter name to array. It is taken as computed on the versions of this
-                worker's last :meth:`pull`.
+                worker's last ``pull``.
 
         Returns:
-            One :class:`PushResult` per server, in the order of ``servers``.
+            One ``PushResult`` per server, in the order of ``servers``.
 
         Raises:
-            RuntimeError: no :meth:`pull` yet, called on a server, or after :meth:`finish`.
+            RuntimeError: no ``pull`` yet, called on a server, or after ``finish``.
             ValueError: ``grads`` of the wrong size or with unknown names.
             CollectiveError: a server was lost, timed out or refused the push.
         """
@@ -568,7 +568,7 @@ class AsyncSGD:
         return status, version, extra
 
     async def finish(self) -> None:
-        """Tell every server this worker is done (idempotent); a server's :meth:`serve`
+        """Tell every server this worker is done (idempotent); a server's ``serve``
         returns once every worker did (or was lost).
 
         Raises:
@@ -615,8 +615,8 @@ class AsyncSGD:
 
     def local_parameters(self) -> np.ndarray:
         """On a server, its shard of the flat parameters (the live array, which pushes
-        update; on servers other than 0 it is filled at the start of :meth:`serve`); on a
-        worker, its flat copy of every parameter as of its last :meth:`pull`."""
+        update; on servers other than 0 it is filled at the start of ``serve``); on a
+        worker, its flat copy of every parameter as of its last ``pull``."""
         if self.is_server:
             if self._shard is None:
                 a, b = self.shard
@@ -631,13 +631,13 @@ class AsyncSGD:
                            workers={w: c.snapshot() for w, c in self._counters.items()})
 
     async def serve(self) -> ServerStats:
-        """Serve the workers until every one of them called :meth:`finish` or was lost.
+        """Serve the workers until every one of them called ``finish`` or was lost.
 
         Server 0 first sends every other server its initial range. Then one task per
         worker answers that worker's requests as they come, applying pushes at once.
 
         Returns:
-            This server's :class:`ServerStats`.
+            This server's ``ServerStats``.
 
         Raises:
             PeerLostError, CollectiveTimeout: a peer was lost or timed out and the world

@@ -16,8 +16,8 @@ The loss is the mean over the whole batch: micro-batch ``j`` of ``n_j`` samples 
 contributes its mean loss times ``n_j / N``, so the gradients equal those of one pass over the
 batch even when the micro-batches differ in size.
 
-:class:`PipelineParallel` is itself a :class:`~asynccoll.parallel.model.Model` (the stage's
-parameters, the whole schedule as one pass), so data parallelism composes on top of it::
+``PipelineParallel`` is itself a ``Model`` (the stage's
+parameters, the whole schedule as one pass), so data parallelism composes on top of it:
 
     mesh = await Mesh.create(comm, data=2, pipe=2)
     stage = split_mlp(mlp, mesh.shape.pipe)[mesh.coords.pipe]
@@ -188,7 +188,7 @@ def stage_bounds(num_layers: int, stages: int | None = None, cuts: Sequence[int]
                  costs: Sequence[float] | None = None) -> list[tuple[int, int]]:
     """The ``[start, stop)`` layer range of every stage: from ``cuts`` (validated: strictly
     increasing, inside ``(0, num_layers)``, ``stages - 1`` of them when both are given), or
-    else :func:`balanced_cuts` of ``costs`` (default: one per layer) into ``stages``."""
+    else ``balanced_cuts`` of ``costs`` (default: one per layer) into ``stages``."""
     if cuts is None:
         if stages is None:
             raise ValueError("give the number of stages or the cut points")
@@ -208,7 +208,7 @@ def stage_bounds(num_layers: int, stages: int | None = None, cuts: Sequence[int]
 
 def mlp_partition(mlp: MLP, stages: int | None = None, *, cuts: Sequence[int] | None = None,
                   balance: str = "params") -> list[tuple[int, int]]:
-    """The layer ranges of :func:`split_mlp`, without building stages."""
+    """The layer ranges of ``split_mlp``, without building stages."""
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {', '.join(BALANCES)}, got {balance!r}")
     costs = [float(sum(s.size for s in mlp.param_specs() if s.unit == u))
@@ -218,7 +218,7 @@ def mlp_partition(mlp: MLP, stages: int | None = None, *, cuts: Sequence[int] | 
 
 def split_mlp(mlp: MLP, stages: int | None = None, *, cuts: Sequence[int] | None = None,
               balance: str = "params") -> list[MLPStage]:
-    """Cut ``mlp`` into :class:`MLPStage` s: at ``cuts`` (the first layer of every stage but
+    """Cut ``mlp`` into ``MLPStage`` s: at ``cuts`` (the first layer of every stage but
     the first), or into ``stages`` stages balanced by parameter count (``balance="params"``:
     the largest stage as small as possible) or by number of layers (``"layers"``).
 
@@ -281,13 +281,13 @@ def _layer_range(mlp: MLP, start: int, stop: int) -> tuple[int, int]:
 class Stage(abc.ABC):
     """A contiguous slice of a sequential model, run one micro-batch at a time.
 
-    The parameter side is the :class:`~asynccoll.parallel.model.Model` contract
-    (:meth:`param_specs` with units numbered ``0..k-1`` within the stage, :meth:`parameters`,
-    :meth:`bind`), so a data-parallel wrapper can own a stage's memory. The compute side is
-    per micro-batch: :meth:`forward` keeps what :meth:`backward` of the same micro-batch
+    The parameter side is the ``Model`` contract
+    (``param_specs`` with units numbered ``0..k-1`` within the stage, ``parameters``,
+    ``bind``), so a data-parallel wrapper can own a stage's memory. The compute side is
+    per micro-batch: ``forward`` keeps what ``backward`` of the same micro-batch
     needs; several micro-batches may be in flight. Activations are NumPy arrays. The methods
     are coroutines so that a stage may communicate inside them (a tensor-parallel stage) or
-    compute in a thread (:class:`TorchStage`).
+    compute in a thread (``TorchStage``).
     """
 
     @abc.abstractmethod
@@ -301,7 +301,7 @@ class Stage(abc.ABC):
     @abc.abstractmethod
     def bind(self, params: Mapping[str, np.ndarray] | None = None,
              grads: Mapping[str, np.ndarray] | None = None) -> None:
-        """Read parameters from / add gradients into these arrays (as :meth:`Model.bind`)."""
+        """Read parameters from / add gradients into these arrays (as ``Model.bind``)."""
 
     @property
     def num_units(self) -> int:
@@ -309,13 +309,13 @@ class Stage(abc.ABC):
 
     @property
     def computes_loss(self) -> bool:
-        """Whether this is a last stage (it implements :meth:`loss_grad`)."""
+        """Whether this is a last stage (it implements ``loss_grad``)."""
         return False
 
     @abc.abstractmethod
     async def forward(self, mb: int, x: np.ndarray, *, grad: bool = True) -> np.ndarray:
         """The stage's output for input ``x`` of micro-batch ``mb``; with ``grad`` it keeps
-        what :meth:`backward` needs (``ValueError`` if ``mb`` already has saved state)."""
+        what ``backward`` needs (``ValueError`` if ``mb`` already has saved state)."""
 
     @abc.abstractmethod
     async def backward(self, mb: int, dy: np.ndarray) -> np.ndarray | None:
@@ -335,12 +335,12 @@ class Stage(abc.ABC):
 
 
 class MLPStage(_LayerArrays, Stage):
-    """Layers ``[start, stop)`` of an :class:`~asynccoll.parallel.mlp.MLP`, with its math.
+    """Layers ``[start, stop)`` of an ``MLP``, with its math.
 
-    The stage shares the MLP's parameter arrays until :meth:`bind` replaces them, and owns
+    The stage shares the MLP's parameter arrays until ``bind`` replaces them, and owns
     zero-filled gradient arrays. Parameter names are the MLP's (``layers.{i}.weight``); layer
     ``i`` is unit ``i - start``. The input of a stage after the first is the previous stage's
-    output *after* its activation, and :meth:`backward` returns the gradient w.r.t. it (so
+    output *after* its activation, and ``backward`` returns the gradient w.r.t. it (so
     the stage that applied an activation also applies its derivative). The last stage
     (``stop == mlp.num_units``) computes the MLP's loss.
     """
@@ -439,18 +439,18 @@ class TorchStage(_BoundArrays, Stage):
     tensor) as a pipeline stage, on CPU.
 
     Args:
-        module: the stage's layers (e.g. one of :func:`split_sequential`'s slices).
+        module: the stage's layers (e.g. one of ``split_sequential``'s slices).
         loss_fn: on the last stage, ``loss_fn(output, targets)``: the *mean* loss over a
             micro-batch (``nn.MSELoss()``...); ``None`` on the others.
-        input_grad: whether :meth:`backward` returns the gradient w.r.t. the input; pass
+        input_grad: whether ``backward`` returns the gradient w.r.t. the input; pass
             ``False`` on the first stage (its input is data).
 
-    Units are the children of ``module`` that have parameters. :meth:`forward` keeps each
-    micro-batch's autograd graph; :meth:`backward` runs ``torch.autograd.backward(y, dy)``,
+    Units are the children of ``module`` that have parameters. ``forward`` keeps each
+    micro-batch's autograd graph; ``backward`` runs ``torch.autograd.backward(y, dy)``,
     which adds the parameter gradients in place into the bound arrays (``.grad`` tensors are
     views of them), and returns ``x.grad``. The torch work runs in a worker thread of the
     stage (torch releases the GIL), so that the event loop keeps sending and receiving the
-    other micro-batches meanwhile; :meth:`close` stops it.
+    other micro-batches meanwhile; ``close`` stops it.
     """
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[Any, Any], Any] | None = None,
@@ -614,7 +614,7 @@ class PipelineParallel(Model):
     """Pipeline-parallel training of ``stage`` over the pipe group ``comm`` (stage ``i`` is
     ``comm.rank == i``; the last rank's stage computes the loss).
 
-    A pass (:meth:`forward_backward`) runs the whole schedule over ``micro_batches``
+    A pass (``forward_backward``) runs the whole schedule over ``micro_batches``
     micro-batches. Every rank may be given the whole batch ``(inputs, targets)``: the first
     stage reads only ``inputs``, the last only ``targets`` (``batch[0]`` and ``batch[1]``;
     the others read nothing and may be given ``None``). Both are split along axis 0 with
@@ -625,22 +625,22 @@ class PipelineParallel(Model):
     Sends run as background tasks, so a stage computes its next micro-batch while its
     activations travel; every send is awaited before the pass returns. If a stage fails, the
     pass breaks the pipe group: it cancels a receive, which by the Communicator's contract
-    makes the peers' pending and later operations raise :class:`~asynccoll.CollectiveError`
+    makes the peers' pending and later operations raise ``CollectiveError``
     (on every group of the world, which share their connections), so no stage waits for a
     message that will not come. A failed or cancelled pass leaves the gradients partial and
     the communicators unusable: as with any failed collective, start over.
 
-    As a :class:`~asynccoll.parallel.model.Model` its parameters are the stage's, with the
+    As a ``Model`` its parameters are the stage's, with the
     stage's units, and a pass calls the hooks once per unit: ``before_forward`` (ascending)
     before the first micro-batch; ``after_forward`` (ascending) then ``before_backward``
     (descending) just before the first backward (with 1F1B the remaining forwards run inside
     the backward window, where a wrapper has bound the parameters for backward anyway);
     ``after_backward`` (descending) after the last backward, when the gradients, summed over
-    the micro-batches, are final. :meth:`loss` calls only the forward hooks.
+    the micro-batches, are final. ``loss`` calls only the forward hooks.
 
     Attributes:
         peak_activations: the most micro-batches whose forward state this stage held at once
-            (since construction or :meth:`reset_peaks`).
+            (since construction or ``reset_peaks``).
         trace: this stage's ops in the last pass, in order (``"F0"``, ``"B0"``...).
     """
 

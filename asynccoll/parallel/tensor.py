@@ -3,11 +3,11 @@
 A linear layer ``z = x @ W.T + b`` with ``W`` of shape ``(out, in)`` is split one of two ways
 over the ``T`` ranks of a tensor-parallel communicator:
 
-* **column parallel** (:class:`ColumnParallel`): rank ``t`` holds the rows ``out_t`` of ``W``
+* **column parallel** (``ColumnParallel``): rank ``t`` holds the rows ``out_t`` of ``W``
   and the matching slice of ``b``. The input is whole on every rank, the output stays sharded
   along its features: no communication forward. Backward, every rank's part of the input
   gradient ``dz_t @ W_t`` is a partial sum: one ``all_reduce`` gives the whole one.
-* **row parallel** (:class:`RowParallel`): rank ``t`` holds the columns ``in_t`` of ``W`` and
+* **row parallel** (``RowParallel``): rank ``t`` holds the columns ``in_t`` of ``W`` and
   the *whole* bias. The input is sharded along its features (it is what a column layer
   produced), each rank computes a partial output ``x_t @ W_t.T``: one ``all_reduce`` sums
   them, and the bias is added once, after it. Backward, the input gradient ``dz @ W_t`` is
@@ -18,15 +18,15 @@ and a row layer thus cost one ``all_reduce`` forward and one backward per pair, 
 ``(batch, features)`` activation. Splits follow ``numpy.array_split``: when the size does not
 divide ``T``, the first ranks hold one row (column) more, and a rank may hold none.
 
-:class:`TensorParallelMLP` is the reference :class:`~asynccoll.parallel.mlp.MLP` split this way
+``TensorParallelMLP`` is the reference ``MLP`` split this way
 (layers alternate column, row, column, row, ...; an odd last layer is replicated) and is a
-:class:`~asynccoll.parallel.model.Model`, so ``DistributedModel(tp_model, data_comm, ...)``
+``Model``, so ``DistributedModel(tp_model, data_comm, ...)``
 trains it data parallel over tensor parallel.
 
-With torch installed, :class:`ColumnParallelLinear` and :class:`RowParallelLinear` are the
-same layers as torch modules, for a :class:`~asynccoll.parallel.torch_model.TorchModel`: their
+With torch installed, ``ColumnParallelLinear`` and ``RowParallelLinear`` are the
+same layers as torch modules, for a ``TorchModel``: their
 autograd functions run the collectives from TorchModel's worker thread on the event loop
-(:class:`LoopBridge`). The classes are built when first used, so importing this module does
+(``LoopBridge``). The classes are built when first used, so importing this module does
 not import torch.
 """
 
@@ -63,12 +63,12 @@ from .model import Hooks, Model, NoHooks, ParamSpec
 if TYPE_CHECKING:
     from ..collectives import Communicator
 
-    #: built on first use (see :func:`_torch_layers`)
+    #: built on first use (see ``_torch_layers``)
     ColumnParallelLinear: Any
     RowParallelLinear: Any
 
 #: Seconds between a torch layer's checks that the event loop still runs while it waits for a
-#: collective (as :data:`asynccoll.parallel.torch_model.POLL_INTERVAL`).
+#: collective (as ``asynccoll.parallel.torch_model.POLL_INTERVAL``).
 POLL_INTERVAL = 0.25
 
 
@@ -81,7 +81,7 @@ class ParallelLinear(abc.ABC):
     tensor group ``comm``, and its forward and backward passes on this rank's shard.
 
     The layer holds no arrays: the weights and gradients are passed in, so that a
-    :class:`~asynccoll.parallel.model.Model` can keep them in the arrays a training wrapper
+    ``Model`` can keep them in the arrays a training wrapper
     binds. Every rank of ``comm`` calls the coroutines in the same order (they may run
     collectives on ``comm``).
     """
@@ -152,7 +152,7 @@ class ParallelLinear(abc.ABC):
     @abc.abstractmethod
     async def forward(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
         """``z = x @ W.T + b`` for this rank: a new ``(batch, features)`` array, sharded or
-        whole as :attr:`output_sharded` says. ``x`` is sharded as :attr:`input_sharded`
+        whole as ``output_sharded`` says. ``x`` is sharded as ``input_sharded``
         says."""
 
     @abc.abstractmethod
@@ -243,7 +243,7 @@ class Replicated(ParallelLinear):
 
 def megatron_layers(sizes: Sequence[int], comm: Communicator) -> list[ParallelLinear]:
     """The layers of an MLP of widths ``sizes`` split over ``comm``: column, row, column,
-    row, ...; when the number of layers is odd the last one is :class:`Replicated`. Every
+    row, ...; when the number of layers is odd the last one is ``Replicated``. Every
     activation between layers is then whole after a row layer and sharded after a column
     layer, and the network's input and output are whole."""
     widths = [operator.index(s) for s in sizes]
@@ -265,11 +265,11 @@ def megatron_layers(sizes: Sequence[int], comm: Communicator) -> list[ParallelLi
 
 
 class TensorParallelMLP(_LayerArrays, Model):
-    """The reference :class:`~asynccoll.parallel.mlp.MLP`, tensor parallel over ``comm``.
+    """The reference ``MLP``, tensor parallel over ``comm``.
 
-    Layers alternate :class:`ColumnParallel` and :class:`RowParallel` (see
-    :func:`megatron_layers`); with an odd number of layers the last one is
-    :class:`Replicated`, which costs no communication (its input, a row layer's output, is
+    Layers alternate ``ColumnParallel`` and ``RowParallel`` (see
+    ``megatron_layers``); with an odd number of layers the last one is
+    ``Replicated``, which costs no communication (its input, a row layer's output, is
     whole on every rank) at the price of holding and computing it on every rank. Each
     column+row pair runs one ``all_reduce`` forward (in the row layer) and one backward (in
     the column layer; none for the first layer, whose input gradient nobody needs).
@@ -280,7 +280,7 @@ class TensorParallelMLP(_LayerArrays, Model):
     ``numpy.array_split`` splits them (a rank may hold an empty shard).
 
     Args:
-        sizes, activation, loss, dtype, seed: as :class:`MLP`; the initial parameters are
+        sizes, activation, loss, dtype, seed: as ``MLP``; the initial parameters are
             this rank's slices of those of ``MLP(sizes, ..., seed=seed)``.
         comm: the tensor-parallel group (e.g. a mesh's tensor sub-communicator).
         output_activation: apply the activation after the last layer too (for a pipeline
@@ -327,12 +327,12 @@ class TensorParallelMLP(_LayerArrays, Model):
     async def forward_backward(self, batch: Any, hooks: Hooks | None = None) -> float:
         """Loss of the whole ``batch = (x, y)`` (mean over samples, the same on every rank
         of the group); adds this rank's gradient shards into the bound arrays, calling the
-        hooks in the order :class:`~asynccoll.parallel.model.Hooks` gives.
+        hooks in the order ``Hooks`` gives.
 
         Every rank of the group must call it with the same batch. Raises ``ValueError`` for
         a malformed batch (before any hook or collective), ``RuntimeError`` when a
         parameter or gradient it needs is released, and the communicator's errors
-        (:class:`~asynccoll.CollectiveError`) when a peer fails; gradients then hold a
+        (``CollectiveError``) when a peer fails; gradients then hold a
         partial sum (units already passed backward have their additions).
         """
         hooks = NoHooks() if hooks is None else hooks
@@ -374,7 +374,7 @@ class TensorParallelMLP(_LayerArrays, Model):
                        hooks: Hooks | None = None, *, input_grad: bool = False
                        ) -> np.ndarray | None:
         """Backward from d(loss)/d(output) (whole, ``(batch, out)``; overwritten) through the
-        activations :meth:`forward` returned, adding this rank's gradient shards into the
+        activations ``forward`` returned, adding this rank's gradient shards into the
         bound arrays and calling the backward hooks. Returns d(loss)/d(input) (whole, on
         every rank: one more ``all_reduce``) when ``input_grad``, else ``None``."""
         hooks = NoHooks() if hooks is None else hooks
@@ -405,7 +405,7 @@ class TensorParallelMLP(_LayerArrays, Model):
 
     async def full_parameters(self, params: Mapping[str, np.ndarray] | None = None
                               ) -> dict[str, np.ndarray]:
-        """The unsplit parameters, named and shaped as :class:`MLP`'s, as new arrays on every
+        """The unsplit parameters, named and shaped as ``MLP``'s, as new arrays on every
         rank. ``params`` are the local shards to gather (default: the bound parameters;
         pass e.g. ``DistributedModel.full_parameters()`` of a ZeRO-3 wrapper, or gradient
         shards). Runs collectives: call it on every rank of the group."""
@@ -448,7 +448,7 @@ class TensorParallelMLP(_LayerArrays, Model):
 
 class LoopBridge:
     """Runs a communicator's collectives on its event loop from another thread (the
-    :class:`~asynccoll.parallel.torch_model.TorchModel` worker), waiting for the result.
+    ``TorchModel`` worker), waiting for the result.
 
     ``loop`` must be the loop the communicator runs on; by default the running loop when the
     bridge is made (so make it inside a coroutine). Calling from the loop's own thread is a
@@ -597,9 +597,9 @@ def _torch_layers() -> tuple[type, type]:
         holds rows ``out_t`` of the weight (and bias). Input whole, output sharded; the
         input gradient is all-reduced backward (only when the input needs a gradient).
 
-        Run it through :class:`~asynccoll.parallel.torch_model.TorchModel` (its worker
+        Run it through ``TorchModel`` (its worker
         thread); make it inside a coroutine on ``comm``'s loop, or pass ``loop=``. Weights
-        are initialised as ``nn.Linear`` initialises the shard (use :meth:`from_linear` to
+        are initialised as ``nn.Linear`` initialises the shard (use ``from_linear`` to
         start from a whole layer).
         """
 
@@ -614,9 +614,9 @@ def _torch_layers() -> tuple[type, type]:
     class RowParallelLinear(_ShardedLinear):
         """``nn.Linear`` split along the input features over the tensor group ``comm``:
         holds columns ``in_t`` of the weight and the whole bias. Input sharded (a
-        :class:`ColumnParallelLinear`'s output), output whole: the partial outputs are
+        ``ColumnParallelLinear``'s output), output whole: the partial outputs are
         all-reduced forward, the bias added after; nothing is communicated backward.
-        Same threading rules as :class:`ColumnParallelLinear`.
+        Same threading rules as ``ColumnParallelLinear``.
         """
 
         _split_type = RowParallel

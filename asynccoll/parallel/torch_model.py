@@ -1,18 +1,18 @@
-"""A ``torch.nn.Module`` as a :class:`~asynccoll.parallel.model.Model`.
+"""A ``torch.nn.Module`` as a ``Model``.
 
-PyTorch is optional: it is imported when a :class:`TorchModel` is built, not when this module
+PyTorch is optional: it is imported when a ``TorchModel`` is built, not when this module
 is imported (``pip install "asynccoll[torch]"``). CPU tensors only.
 
-How it maps onto the :class:`Model` contract:
+How it maps onto the ``Model`` contract:
 
-* **Memory.** :meth:`TorchModel.bind` makes every parameter's ``.data`` and ``.grad`` tensors
+* **Memory.** ``TorchModel.bind`` makes every parameter's ``.data`` and ``.grad`` tensors
   views of the given NumPy arrays (``torch.from_numpy``, no copy). During backward torch adds
   into an existing ``.grad`` in place (``AccumulateGrad`` does ``grad += new`` when no graph of
   the gradient is recorded), so the gradients land in the bound arrays. After each
   accumulation the data pointer is checked; were torch to put a new tensor in ``.grad``
   (old + new), it is copied into the bound array and the binding restored.
 * **Threads.** The forward and backward pass runs in a worker thread (one per model, started
-  on first use, stopped by :meth:`TorchModel.close`), so the event loop keeps running
+  on first use, stopped by ``TorchModel.close``), so the event loop keeps running
   communication while torch computes. Hooks are coroutines on the event loop; the worker
   calls them with ``asyncio.run_coroutine_threadsafe(...).result()`` and waits.
 * **Forward hooks** come from forward pre-hooks on the unit modules. ``before_forward(u)`` is
@@ -239,7 +239,7 @@ def _on_accumulated(ref: weakref.ref[TorchModel], unit: int, name: str, param: A
 
 
 class TorchModel(_BoundArrays, Model):
-    """A ``torch.nn.Module`` and a loss function as a :class:`Model` (CPU tensors).
+    """A ``torch.nn.Module`` and a loss function as a ``Model`` (CPU tensors).
 
     Args:
         module: the network. Its parameters become the model's, named as in
@@ -367,7 +367,7 @@ class TorchModel(_BoundArrays, Model):
         """Loss of ``batch = (inputs, targets)``; adds the gradients into the bound arrays.
 
         Runs in the model's worker thread; calls the hooks on this event loop in the order
-        :class:`Hooks` documents. Exceptions of the module, the loss function or a hook are
+        ``Hooks`` documents. Exceptions of the module, the loss function or a hook are
         raised here. If it is cancelled, the worker stops at its next hook call and this
         waits for it; gradients then hold a partial sum.
         """

@@ -1,10 +1,10 @@
 """The rendezvous: an authenticated key-value store with a roster of ranks, over asyncio.
 
 What torch's ``TCPStore`` does, plus a roster with generations for elastic training. One
-:class:`RendezvousServer` (usually hosted by rank 0, or standalone with
-``asynccoll rendezvous``) and one :class:`RendezvousClient` per process.
+``RendezvousServer`` (usually hosted by rank 0, or standalone with
+``asynccoll rendezvous``) and one ``RendezvousClient`` per process.
 
-Every connection first passes the token handshake (:mod:`asynccoll.handshake`); then the client
+Every connection first passes the token handshake (``asynccoll.handshake``); then the client
 sends REQUEST frames and the server answers with RESPONSE frames tagged by request id, so
 several requests may be in flight on one connection and a blocking one (``get`` of a missing
 key, ``wait``, ``roster`` for a world size) never holds up the others. Values travel as raw

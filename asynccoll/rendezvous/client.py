@@ -57,7 +57,7 @@ def _check_int(value: object, what: str, lo: int, hi: int) -> int:
 
 
 class RendezvousClient:
-    """A connection to a :class:`RendezvousServer`. Create it with :meth:`connect`.
+    """A connection to a ``RendezvousServer``. Create it with ``connect``.
 
     Coroutine methods mirror the server's ops; any number may run concurrently (one reader
     task matches responses to requests by id). Every call is bounded: blocking calls by their
@@ -170,11 +170,11 @@ class RendezvousClient:
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`close` or once the connection is lost."""
+        """True after ``close`` or once the connection is lost."""
         return self._closed or self._error is not None
 
     async def close(self) -> None:
-        """Close the connection; pending calls raise :class:`RendezvousError`. Idempotent."""
+        """Close the connection; pending calls raise ``RendezvousError``. Idempotent."""
         if not self._closed:
             self._closed = True
             self._fail("the rendezvous client was closed")

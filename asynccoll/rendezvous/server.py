@@ -91,7 +91,7 @@ class RendezvousServer:
 
     Args:
         host: address to bind (loopback by default; bind a routable address only with a token).
-        port: port to bind; 0 picks a free one (read it back from :attr:`port`).
+        port: port to bind; 0 picks a free one (read it back from ``port``).
         token: shared secret every client must prove it knows (``None``: the empty token).
         job: when not empty, clients announcing another job id are rejected.
         handshake_timeout: a connection that has not finished the handshake by then is dropped.
@@ -143,14 +143,14 @@ class RendezvousServer:
 
     @property
     def host(self) -> str:
-        """The bound host (after :meth:`start`)."""
+        """The bound host (after ``start``)."""
         if self._address is None:
             raise RuntimeError("the server is not started")
         return self._address[0]
 
     @property
     def port(self) -> int:
-        """The bound port (after :meth:`start`)."""
+        """The bound port (after ``start``)."""
         if self._address is None:
             raise RuntimeError("the server is not started")
         return self._address[1]
@@ -301,7 +301,7 @@ class RendezvousServer:
 
     async def _wait_until(self, topic: Any, predicate: Callable[[], bool]) -> None:
         """Return once ``predicate()`` holds, re-checking it whenever ``topic`` is woken.
-        Unbounded: callers wrap it in :meth:`_bounded`."""
+        Unbounded: callers wrap it in ``_bounded``."""
         loop = asyncio.get_running_loop()
         while not predicate():
             fut: asyncio.Future[None] = loop.create_future()

@@ -1,4 +1,4 @@
-"""Transports move frames between ranks; see :mod:`asynccoll.transport.base`."""
+"""Transports move frames between ranks; see ``asynccoll.transport.base``."""
 
 from .base import Key, Mailbox, Transport
 

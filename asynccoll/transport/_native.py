@@ -1,8 +1,8 @@
-"""What the backends that hand collectives to a native library share (:mod:`.mpi`, :mod:`.nccl`).
+"""What the backends that hand collectives to a native library share (``.mpi``, ``.nccl``).
 
 Both check a collective's signature by exchanging a digest of it, number their calls with
-tickets, turn every failure of a collective into a :class:`~asynccoll.CollectiveError` that
-breaks the communicator, and check arguments as :class:`~asynccoll.Communicator` does (whose
+tickets, turn every failure of a collective into a ``CollectiveError`` that
+breaks the communicator, and check arguments as ``Communicator`` does (whose
 messages these are). Importing it imports neither MPI nor CUDA.
 """
 
@@ -31,7 +31,7 @@ def digest(sig: tuple[Any, ...]) -> int:
 
 def signature_mismatch(rank: int, mine: str, other: int, theirs: str) -> CollectiveError:
     """The error of ranks that called different collectives (``mine`` and ``theirs`` are
-    :func:`~asynccoll.transport.base.describe_sig` texts)."""
+    ``describe_sig`` texts)."""
     return CollectiveError(f"ranks called different collectives: group rank {rank} called "
                            f"{mine}, group rank {other} called {theirs}")
 
@@ -55,7 +55,7 @@ def failed_in(library: str, sig: tuple[Any, ...], rank: int, exc: BaseException
 class Failures:
     """Wraps the body of one collective: whatever escapes it breaks the communicator.
 
-    On the way out, ``fail(err)`` is called with a :class:`~asynccoll.CollectiveError`
+    On the way out, ``fail(err)`` is called with a ``CollectiveError``
     describing what happened, and the exception goes on: a cancellation or a
     ``CollectiveError`` unchanged, an exception of the native library (``library_error``)
     replaced by ``err`` (chained), any other exception unchanged.

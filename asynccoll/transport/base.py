@@ -1,33 +1,33 @@
 """The transport interface: move frames between ranks, match them to the receives waiting for them.
 
-A backend implements :class:`Transport` in one file. It has to provide three things:
+A backend implements ``Transport`` in one file. It has to provide three things:
 
 * ``send(dst, kind, header, payload)``: deliver one frame to world rank ``dst``. When it
   returns, the caller may reuse ``payload``.
 * ``_notify_abort(frame)``: best-effort delivery of an ABORT frame to every other rank.
 * ``close()``.
 
-Receiving is shared code: the backend hands each incoming frame to :class:`Mailbox`, which
+Receiving is shared code: the backend hands each incoming frame to ``Mailbox``, which
 matches it to a posted receive by its key ``(src, kind, group, seq, step, tag)``. A backend that
-can read payloads straight into memory (TCP) first asks :meth:`Mailbox.claim` for the buffer the
+can read payloads straight into memory (TCP) first asks ``Mailbox.claim`` for the buffer the
 receiver posted, so array data lands where it belongs without a copy.
 
 A backend whose senders live in the receiver's process (memory) may instead *lend* a payload:
 the receiver gets the sender's memory itself, and the sender's ``post`` returns a future that
 resolves once the receiver is done with it. A receive posted with ``borrow=True`` says the
 receiver only reads the payload (to reduce it into its own data) and releases it explicitly
-(:meth:`Transport.release`); backends that cannot lend ignore the flag and fill the posted
-buffer as usual. :attr:`Transport.lends` tells algorithms which of the two they get.
+(``Transport.release``); backends that cannot lend ignore the flag and fill the posted
+buffer as usual. ``Transport.lends`` tells algorithms which of the two they get.
 
-A backend may also offer :meth:`Transport.pump`: read what one peer sent, right now, without
-an event-loop turn. A receive that polls (:attr:`Transport.polls`) calls it between turns, so
+A backend may also offer ``Transport.pump``: read what one peer sent, right now, without
+an event-loop turn. A receive that polls (``Transport.polls``) calls it between turns, so
 a small frame that is already in the socket is parsed, matched and delivered in the waiting
 coroutine itself: a turn of the event loop costs more than the read.
 
 The mailbox also checks collective signatures: every DATA frame carries the signature of the
 collective that sent it (name, dtype, shape, op, algorithm ...). When it differs from the
 signature of the collective this rank runs under the same ``(group, seq)`` the world is aborted
-with a :class:`~asynccoll.errors.CollectiveError` naming both, before any payload touches a user
+with a ``CollectiveError`` naming both, before any payload touches a user
 buffer.
 """
 
@@ -86,7 +86,7 @@ def describe_sig(sig: tuple[Any, ...] | None) -> str:
 class Mailbox:
     """Posted receives and early frames of one rank, matched by key. Not thread-safe.
 
-    ``on_mismatch`` is called with a :class:`CollectiveError` and the ``(group, seq)`` it
+    ``on_mismatch`` is called with a ``CollectiveError`` and the ``(group, seq)`` it
     happened in when a DATA frame's signature differs from the local collective's; the
     transport then aborts the world.
 
@@ -138,7 +138,7 @@ class Mailbox:
         """The frame for ``key`` if it arrived already (copied into ``into`` when given).
 
         With ``borrow``, a lent payload of ``into``'s size is handed over as it is, to be
-        released with :meth:`release`.
+        released with ``release``.
         """
         if self._error is not None and not self._key_allowed(key):
             raise self._error
@@ -186,7 +186,7 @@ class Mailbox:
         return fut
 
     def lends_to(self, key: Key, nbytes: int) -> bool:
-        """Whether a borrowing receive of ``nbytes`` is posted for ``key`` (then :meth:`lend`
+        """Whether a borrowing receive of ``nbytes`` is posted for ``key`` (then ``lend``
         hands the sender's payload straight to it)."""
         posted = self._posted.get(key)
         return (posted is not None and posted.borrow
@@ -352,7 +352,7 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
 
 def compute_and_post_inline(transport: Transport, work: Sequence[Work]
                             ) -> list[asyncio.Future[None] | None]:
-    """:meth:`Transport.compute_and_post` in the calling thread."""
+    """``Transport.compute_and_post`` in the calling thread."""
     pending: list[asyncio.Future[None] | None] = []
     for fn, nbytes, frames in work:
         fn(0, nbytes)
@@ -410,7 +410,7 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def post(self, dst: int, head: bytes, payload: memoryview | None
              ) -> asyncio.Future[None] | None:
-        """Start sending one frame (``head`` = prefix + header from :mod:`asynccoll.wire`).
+        """Start sending one frame (``head`` = prefix + header from ``asynccoll.wire``).
 
         Never blocks. Returns ``None`` when ``payload`` may be reused already, else a future
         that completes once it may (the caller must not touch ``payload`` before). Frames
@@ -438,7 +438,7 @@ class Transport(abc.ABC):
     # -- shared ---------------------------------------------------------------------------
 
     async def send(self, dst: int, head: bytes, payload: memoryview | None) -> None:
-        """:meth:`post`, then wait until ``payload`` may be reused."""
+        """``post``, then wait until ``payload`` may be reused."""
         pending = self.post(dst, head, payload)
         if pending is not None:
             await pending
@@ -447,11 +447,11 @@ class Transport(abc.ABC):
     def post_recv(self, key: Key, into: memoryview | None = None,
                   sig: tuple[Any, ...] | None = None, borrow: bool = False
                   ) -> asyncio.Future[Frame]:
-        """Post a receive; the future resolves with the frame (see :meth:`recv`).
+        """Post a receive; the future resolves with the frame (see ``recv``).
 
-        With ``borrow``, a backend that :attr:`lends` may resolve it with the sender's own
+        With ``borrow``, a backend that ``lends`` may resolve it with the sender's own
         payload instead of filling ``into``: the receiver must only read it, and call
-        :meth:`release` once done (the sender waits until then).
+        ``release`` once done (the sender waits until then).
         """
         frame = self.mailbox.take(key, into, borrow)
         if frame is not None:
@@ -484,7 +484,7 @@ class Transport(abc.ABC):
                                ) -> list[asyncio.Future[None] | None]:
         """Compute payloads and send them: for each ``(fn, nbytes, frames)`` in order,
         ``fn(lo, hi)`` computes bytes ``[lo, hi)`` of an ``nbytes`` payload that every frame
-        ``(dst, head, payload)`` of ``frames`` then carries. Returns what :meth:`post`
+        ``(dst, head, payload)`` of ``frames`` then carries. Returns what ``post``
         returned for the frames.
 
         The base version calls ``fn(0, nbytes)`` and posts, inline. A backend whose ranks

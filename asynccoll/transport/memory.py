@@ -3,13 +3,13 @@
 Frames still go through the real codec (the prefix and msgpack header are encoded and decoded),
 so in-process tests exercise the wire format. Payloads are copied once: straight into the
 receiver's posted buffer when it waits already, otherwise into a fresh buffer it then owns.
-Large collective payloads are *lent* instead (see :mod:`.base`): to a receive that only reads
+Large collective payloads are *lent* instead (see ``.base``): to a receive that only reads
 them (``borrow``), not copied at all; to a receiver that has not posted yet, until it copies.
 
-Ranks share one event loop, and so one thread. :meth:`MemoryTransport.compute_and_post` runs
+Ranks share one event loop, and so one thread. ``MemoryTransport.compute_and_post`` runs
 large reductions and the copies of their results in a thread pool the world owns (NumPy
 releases the GIL in large ufuncs and copies), so the ranks' arithmetic uses more than one core.
-A world is an object (:class:`MemoryWorld`); two worlds in one process share nothing.
+A world is an object (``MemoryWorld``); two worlds in one process share nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class MemoryWorld:
     """The ranks of one in-process world.
 
     Args:
-        threads: worker threads for :meth:`MemoryTransport.compute_and_post`, started on
+        threads: worker threads for ``MemoryTransport.compute_and_post``, started on
             first use and stopped when every rank has closed. ``None``: one per core, at most
             one per rank; ``0`` or ``1``: none, reductions run in the event loop's thread.
     """

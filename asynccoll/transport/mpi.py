@@ -1,9 +1,9 @@
 """The ``"mpi"`` backend: every collective is an mpi4py non-blocking call, awaited from asyncio.
 
-:func:`mpi_init` (``asynccoll.init(backend="mpi")``) returns an :class:`MpiCommunicator` over
+``mpi_init`` (``asynccoll.init(backend="mpi")``) returns an ``MpiCommunicator`` over
 ``MPI.COMM_WORLD`` (or a communicator you pass); rank and size come from MPI, so the launcher's
 environment (``mpirun``/``mpiexec``/``srun``) is all it needs. The communicator has the
-:class:`~asynccoll.Communicator` API, argument checks and results; only the transport differs.
+``Communicator`` API, argument checks and results; only the transport differs.
 
 How it maps onto MPI
 --------------------
@@ -15,26 +15,26 @@ also keeps ``ctrl``, on which a failing rank tells every other one to stop waiti
 MPI requires every process to start the collectives of a communicator in the same order. A call
 takes a *ticket* (in call order, which the API already requires to be the same everywhere),
 issues its signature check on ``meta`` at once, and issues its data calls only when every
-earlier ticket has issued its own (:class:`~asynccoll._progress.Turns`, one per stage
+earlier ticket has issued its own (``Turns``, one per stage
 communicator), so ``asyncio.gather(comm.all_reduce(a), comm.all_reduce(b))`` issues the same
 sequence on every rank, and several collectives are in flight at once.
 
-Requests are polled from the event loop (:func:`~asynccoll._progress.poll`), so a wait never
+Requests are polled from the event loop (``poll``), so a wait never
 blocks other coroutines, and every wait is bounded by the communicator's ``timeout``
-(:class:`~asynccoll.CollectiveTimeout`).
+(``CollectiveTimeout``).
 
 Guarantees (see ``docs/backends/mpi.md``)
 -----------------------------------------
 * Signatures (name, dtype, shape, op, root, member lists) are checked before any data moves
   (``check_signatures=True``, the default): ranks that disagree all raise
-  :class:`~asynccoll.CollectiveError` naming both calls, and no buffer is touched. With
+  ``CollectiveError`` naming both calls, and no buffer is touched. With
   ``check_signatures=False`` the check (one small all-gather per collective) is skipped, and a
   mismatch is whatever MPI makes of it: an MPI error, a hang until ``timeout``, or wrong data.
 * ``all_reduce`` leaves bit-identical values on every rank: exact dtypes (integers, bool) use
   ``MPI_Iallreduce``; floating-point ones a reduce-scatter then an all-gather, so that every
   element is computed once, on one rank.
 * A rank that fails (timeout, cancellation, an error) tells the others over ``ctrl``: their
-  waits raise :class:`~asynccoll.CollectiveError` promptly. A rank that *dies* is MPI's
+  waits raise ``CollectiveError`` promptly. A rank that *dies* is MPI's
   business: ``mpirun`` normally ends the whole job.
 * ``send`` copies the array and returns at once (it never waits for the receiver); ``recv``
   reads a small header (tag, dtype, shape) then the payload.
@@ -159,9 +159,9 @@ class _Op:
 
 
 class MpiCommunicator(Communicator):
-    """A :class:`~asynccoll.Communicator` whose collectives are MPI non-blocking calls.
+    """A ``Communicator`` whose collectives are MPI non-blocking calls.
 
-    Made by :func:`mpi_init` (``asynccoll.init(backend="mpi")``) and :meth:`new_group`.
+    Made by ``mpi_init`` (``asynccoll.init(backend="mpi")``) and ``new_group``.
     Same API, argument checks and results as every other backend; see the module docstring
     for how calls map onto MPI. ``tuning`` is kept for API compatibility but unused: MPI picks
     its own algorithms.
@@ -206,7 +206,7 @@ class MpiCommunicator(Communicator):
 
     @property
     def transport(self) -> MpiWorld:  # type: ignore[override]
-        """The :class:`MpiWorld` this communicator shares with its subgroups."""
+        """The ``MpiWorld`` this communicator shares with its subgroups."""
         return self._world
 
     def __repr__(self) -> str:
@@ -737,7 +737,7 @@ class MpiCommunicator(Communicator):
         """A communicator over ``ranks`` (renumbered 0..k-1 in the given order).
 
         Called by every rank of this group with the same ``ranks`` (checked: otherwise every
-        rank raises :class:`~asynccoll.CollectiveError`); returns ``None`` on ranks that are
+        rank raises ``CollectiveError``); returns ``None`` on ranks that are
         not members. Members create it with ``MPI_Comm_create_group``, which blocks this
         process until every member has called it (their event loops are past the signature
         check by then, so the wait is short).
@@ -819,7 +819,7 @@ async def _dup_comms(mpi: Any, comm: Any, n: int, timeout: float,
 async def mpi_init(*, rank: int | None = None, world_size: int | None = None,
                    timeout: float = 60.0, tuning: Tuning | None = None, comm: Any = None,
                    check_signatures: bool = True) -> MpiCommunicator:
-    """Join the MPI world; see :func:`asynccoll.init` (``backend="mpi"``).
+    """Join the MPI world; see ``asynccoll.init`` (``backend="mpi"``).
 
     Args:
         rank, world_size: optional; when given they must match MPI's (a ValueError otherwise).

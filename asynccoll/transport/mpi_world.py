@@ -1,8 +1,8 @@
-"""What the communicators of one ``"mpi"`` world share (see :mod:`asynccoll.transport.mpi`).
+"""What the communicators of one ``"mpi"`` world share (see ``asynccoll.transport.mpi``).
 
-:class:`MpiWorld` holds the world's control communicator (abort messages), the failure that
+``MpiWorld`` holds the world's control communicator (abort messages), the failure that
 broke the world, the user-defined reduction ops, the sends still in flight and the requests of
-failed operations; :func:`import_mpi` imports mpi4py lazily, naming the extra to install. Also
+failed operations; ``import_mpi`` imports mpi4py lazily, naming the extra to install. Also
 the buffer and header helpers of the communicator.
 """
 

@@ -1,11 +1,11 @@
 """The ``"nccl"`` backend: CuPy arrays GPU to GPU through ``cupy.cuda.nccl``.
 
-:func:`nccl_init` (``asynccoll.init(backend="nccl")``) first forms the TCP world exactly as
+``nccl_init`` (``asynccoll.init(backend="nccl")``) first forms the TCP world exactly as
 ``backend="tcp"`` does (same arguments, same environment, so ``asynccoll run -n N`` launches
 it), then rank 0 creates the NCCL unique id and broadcasts it over TCP, and every rank creates
 its ``ncclComm`` on its GPU (``device``: default the local rank modulo the GPUs it sees).
 
-The :class:`NcclCommunicator` it returns has the :class:`~asynccoll.Communicator` API:
+The ``NcclCommunicator`` it returns has the ``Communicator`` API:
 
 * **CuPy arrays** go through NCCL: each collective is enqueued on the communicator's own CUDA
   stream (after an event that orders it behind the work already queued on the caller's current
@@ -25,7 +25,7 @@ Ordering: NCCL, like MPI, requires every rank to enqueue a communicator's collec
 same order. A collective takes a ticket when called; when it needs the TCP world first (the
 signature check, ``all_gather`` row counts, ``scatter``/``all_to_all`` headers: one
 ``all_gather_object`` started at call time), it enqueues on NCCL only once every earlier ticket
-has (:class:`~asynccoll._progress.Turns`).
+has (``Turns``).
 
 Failures: a timeout, a cancellation or an NCCL error aborts the NCCL communicator
 (``ncclCommAbort``) and the TCP world, whose abort messages make the other ranks' waits fail
@@ -134,7 +134,7 @@ class _Plan:
         return getattr(nccl, self.nccl_type), getattr(nccl, self.nccl_op)
 
     def narrow(self, cupy: Any, result: Any, into: Any) -> None:
-        """Make NCCL's ``result`` (of :meth:`operand`'s dtype) the reduction of ``into``'s
+        """Make NCCL's ``result`` (of ``operand``'s dtype) the reduction of ``into``'s
         dtype: keep its low bit (``parity``), and copy a widened result back into ``into``."""
         if self.parity:
             cupy.bitwise_and(result, 1, out=result)
@@ -185,10 +185,10 @@ def _make_comm(cupy: Any, nccl: Any, device: int, size: int, uid: Any, rank: int
 
 
 class NcclCommunicator(DelegatingCommunicator):
-    """A :class:`~asynccoll.Communicator` whose CuPy arrays travel through NCCL.
+    """A ``Communicator`` whose CuPy arrays travel through NCCL.
 
     NumPy arrays, objects and ``barrier`` are forwarded to the TCP communicator underneath
-    (:attr:`inner`). See the module docstring for how calls map onto NCCL.
+    (``inner``). See the module docstring for how calls map onto NCCL.
 
     Attributes:
         device: the CUDA device id this rank's arrays must live on.
@@ -718,7 +718,7 @@ async def nccl_init(*, rank: int | None = None, world_size: int | None = None,
                     token: str | bytes | None = None, tuning: Tuning | None = None,
                     device: int | None = None, check_signatures: bool = True,
                     **tcp_options: Any) -> NcclCommunicator:
-    """Join a world whose CuPy arrays travel through NCCL; see :func:`asynccoll.init`.
+    """Join a world whose CuPy arrays travel through NCCL; see ``asynccoll.init``.
 
     Args:
         device: the CUDA device of this rank (default: the local rank from ``LOCAL_RANK``,
@@ -726,7 +726,7 @@ async def nccl_init(*, rank: int | None = None, world_size: int | None = None,
             the number of visible GPUs).
         check_signatures: check (over TCP) before each device collective that every rank
             called the same thing.
-        The other arguments are :func:`asynccoll.init`'s for ``backend="tcp"``.
+        The other arguments are ``asynccoll.init``'s for ``backend="tcp"``.
     """
     import_nccl()  # fail before touching the network when CuPy/NCCL is missing
     from .tcp import tcp_init

@@ -5,19 +5,19 @@ connection it dialled itself (so no two ranks ever race to create "the" connecti
 and receives on the connections its peers dialled. Ring neighbours dial at start-up; other
 pairs on first use.
 
-Reading is zero-copy for posted receives: :class:`~asynccoll.wire.BufferedFrameReader` asks the
+Reading is zero-copy for posted receives: ``BufferedFrameReader`` asks the
 mailbox for the buffer a collective posted for the frame's key and the socket reads straight
 into it. Writing hands ``[prefix+header, memoryview(payload)]`` to ``writelines`` (small frames:
 one joined write); because the event loop may keep a reference to the payload until the kernel
 took it, ``post`` then returns a future that resolves once the connection's write buffer has
 drained (``None`` when the kernel took everything at once).
 
-A receive that polls reads its peer's incoming connection itself (:meth:`TcpTransport.pump`,
+A receive that polls reads its peer's incoming connection itself (``TcpTransport.pump``,
 through a duplicate of the socket's descriptor), so a small frame is handled without waiting
 for an event-loop turn.
 
 Failures: a connection of an authenticated peer that ends without a BYE frame means the peer
-died; the world is aborted with :class:`~asynccoll.errors.PeerLostError` naming it and every
+died; the world is aborted with ``PeerLostError`` naming it and every
 rank is told (ABORT frames), so nobody waits for a timeout. A connection that fails the
 handshake or breaks the protocol before authenticating is closed and logged; the world goes on.
 """
@@ -333,7 +333,7 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 class TcpTransport(Transport):
-    """The TCP transport of one rank. Create with :meth:`start`."""
+    """The TCP transport of one rank. Create with ``start``."""
 
     def __init__(self, rank: int, world_size: int, *, token: str | bytes | None = None,
                  job: str = "", max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
@@ -618,7 +618,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                    host_rendezvous: bool | None = None,
                    max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
                    peer_loss: str = "abort") -> Communicator:
-    """Join a TCP world; see :func:`asynccoll.init`."""
+    """Join a TCP world; see ``asynccoll.init``."""
     from ..rendezvous import RendezvousClient, RendezvousServer
 
     rank = _env_int(rank, "ASYNCCOLL_RANK", "RANK", what="rank")
