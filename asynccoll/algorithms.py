@@ -37,7 +37,14 @@ import numpy as np
 
 from .errors import CollectiveError
 from .ops import ReduceOp, combine, combine_ordered
-from .transport.base import Key, Transport, Work, compute_and_post_inline, describe_sig
+from .transport.base import (
+    Key,
+    Transport,
+    Work,
+    checked_payload,
+    compute_and_post_inline,
+    describe_sig,
+)
 from .tuning import Tuning
 from .wire import Frame, FrameKind, array_view, dtype_code
 
@@ -136,6 +143,50 @@ class Call:
         """Send ``arr`` to ``dst`` while receiving from ``src`` (see ``Recv.get``)."""
         pending = self.post(dst, step, arr)
         got = await self.recv(src, step, into, resize=resize)
+        if pending is not None:
+            await pending
+            self.t.check_sendable()
+        return got
+
+    async def payload_of(self, peer: int, step: int, like: np.ndarray) -> np.ndarray:
+        """The array of ``step`` from group rank ``peer``, of ``like``'s dtype and shape (a
+        new array), received without posting a receive: the lean path of small collectives.
+
+        On a polling transport it reads the peer's socket directly, expecting the frame's
+        exact head (``Transport.poll_payload``) and giving the event loop a turn between
+        bursts of reads, for up to ``Tuning.poll_us``; only a frame that takes longer is
+        waited for the usual way (a posted receive, the event loop asleep).
+        """
+        t = self.t
+        src = self.ranks[peer]
+        key = (src, _DATA, self.group, self.seq, step, 0)
+        sig, poll = self.sig, self.poll
+        payload = None
+        if poll:
+            expect = t.heads.data_head(_DATA, self.group, self.seq, step, 0, src,
+                                       dtype_code(like.dtype), like.shape, sig, like.nbytes)
+            payload = t.poll_payload(key, sig, POLL_READS, expect, like.nbytes)
+            if payload is None:
+                deadline = time.perf_counter() + poll
+                while payload is None and time.perf_counter() < deadline:
+                    await asyncio.sleep(0)
+                    payload = t.poll_payload(key, sig, POLL_READS, expect, like.nbytes)
+        else:
+            payload = t.poll_payload(key, sig, 0, None, like.nbytes)
+        if payload is None:
+            payload = checked_payload(await t.post_recv(key, None, sig), sig)
+        if memoryview(payload).nbytes != like.nbytes:
+            raise CollectiveError(f"group rank {peer} sent {memoryview(payload).nbytes} bytes "
+                                  f"where {like.nbytes} were expected")
+        if not like.nbytes:
+            return np.empty(like.shape, like.dtype)
+        return np.frombuffer(payload, like.dtype).reshape(like.shape)
+
+    async def swap(self, peer: int, step: int, arr: np.ndarray) -> np.ndarray:
+        """Send ``arr`` to group rank ``peer`` and receive its array of ``step`` (of
+        ``arr``'s dtype and shape) in exchange, the lean way (``payload_of``): a new array."""
+        pending = self.post(peer, step, arr)
+        got = await self.payload_of(peer, step, arr)
         if pending is not None:
             await pending
             self.t.check_sendable()
@@ -261,12 +312,11 @@ async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None
         await call.recv(r - p, rounds + 1, flat)
         await settle([pending])
         return
-    scratch = np.empty_like(flat)
     if r < extra:
-        combine(flat, await call.recv(r + p, 0, scratch), op)
+        combine(flat, await call.payload_of(r + p, 0, flat), op)
     for k in range(rounds):
         partner = r ^ (1 << k)
-        got = await call.exchange(partner, flat, partner, scratch, k + 1)
+        got = await call.swap(partner, k + 1, flat)
         if r < partner:  # the lower rank's operand on the left on both ranks: identical bits
             combine_ordered(flat, flat, got, op)
         else:
@@ -560,30 +610,26 @@ _TOKEN = np.empty(0, np.uint8)
 _TOKEN.flags.writeable = False
 
 
-def begin_barrier(call: Call, step0: int = 0) -> tuple[asyncio.Future[None] | None, Recv]:
-    """Post round 0 of a dissemination barrier of 2 or more ranks now (see
+def begin_barrier(call: Call, step0: int = 0) -> asyncio.Future[None] | None:
+    """Send round 0 of a dissemination barrier of 2 or more ranks now (see
     ``dissemination_barrier``)."""
-    w, r = call.size, call.rank
-    rcv = call.post_recv((r - 1) % w, step0)
-    return call.post((r + 1) % w, step0, _TOKEN), rcv
+    return call.post((call.rank + 1) % call.size, step0, _TOKEN)
 
 
-async def end_barrier(call: Call, step0: int,
-                      first: tuple[asyncio.Future[None] | None, Recv]) -> None:
-    """The rest of a dissemination barrier whose round 0 ``begin_barrier`` posted."""
+async def end_barrier(call: Call, step0: int, first: asyncio.Future[None] | None) -> None:
+    """The rest of a dissemination barrier whose round 0 ``begin_barrier`` sent."""
     w, r = call.size, call.rank
-    pending, rcv = first
-    await rcv.frame()
-    if pending is not None:
-        await pending
-    k, dist = 1, 2
-    while dist < w:
-        pending = call.post((r + dist) % w, step0 + k, _TOKEN)
-        await call.post_recv((r - dist) % w, step0 + k).frame()
+    pending = first
+    k, dist = 0, 1
+    while True:
+        await call.payload_of((r - dist) % w, step0 + k, _TOKEN)
         if pending is not None:
             await pending
             call.t.check_sendable()
         k, dist = k + 1, dist * 2
+        if dist >= w:
+            return
+        pending = call.post((r + dist) % w, step0 + k, _TOKEN)
 
 
 async def dissemination_barrier(call: Call, step0: int = 0) -> None:

@@ -753,6 +753,38 @@ class BufferedFrameReader:
         return frames
 
     @property
+    def staging(self) -> bool:
+        """Whether the next bytes read go to the staging buffer (not straight into a payload)."""
+        return self._pending is None
+
+    def stage(self, nbytes: int) -> None:
+        """Account for ``nbytes`` written into the staging buffer (``get_buffer`` while
+        ``staging``) without parsing them; ``buffer_updated(0)`` parses them later."""
+        self._end += nbytes
+
+    def take_staged(self, head: bytes, payload_len: int) -> bytearray | None:
+        """Consume the next staged frame if it is exactly ``head`` (prefix and header, byte
+        for byte) followed by all of its ``payload_len`` payload bytes, and return that
+        payload (a copy); else ``None``, consuming nothing.
+
+        For a caller that knows which frame comes next and its canonical encoding (a
+        collective's peer, see ``HeadCache``): equal bytes decode to the expected header, so
+        nothing needs decoding or validating. A frame encoded any other way is simply not
+        taken here; ``buffer_updated`` then parses it as usual.
+        """
+        start = self._start
+        body = start + len(head)
+        stop = body + payload_len
+        if self._pending is not None or stop > self._end or self._view[start:body] != head:
+            return None
+        payload = self._stage[body:stop]
+        if stop == self._end:
+            self._start = self._end = 0
+        else:
+            self._start = stop
+        return payload
+
+    @property
     def idle(self) -> bool:
         """True at a frame boundary with nothing buffered (a clean place for EOF)."""
         return self._pending is None and self._start == self._end

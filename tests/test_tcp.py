@@ -553,3 +553,41 @@ async def test_pump_leaves_a_lost_peer_to_the_event_loop() -> None:
         assert 1 not in t0._in
         with pytest.raises(PeerLostError):
             await c0.all_reduce(np.ones(4))
+
+
+async def test_poll_payload_takes_the_predicted_frame_without_the_loop() -> None:
+    """A small collective's lean receive (TcpTransport.poll_payload) reads the socket itself
+    and takes the frame it predicted straight from the bytes; a frame it did not predict (here:
+    encoded with another shape) is parsed and matched the usual way, signature check
+    included."""
+    async with tcp_world(2) as (_, (c0, c1)):
+        t0, t1 = c0.transport, c1.transport
+        assert isinstance(t0, TcpTransport) and isinstance(t1, TcpTransport)
+        await asyncio.gather(c0.barrier(), c1.barrier())
+        sig = ("test", "<f8", (3,))
+        sent = np.array([1.5, 2.5, 3.5])
+        for seq, shape in ((5, (3,)), (6, (1, 3))):
+            key = (1, int(FrameKind.DATA), 99, seq, 0, 0)
+            t0.mailbox.begin(99, seq, sig)
+            expect = t0.heads.data_head(int(FrameKind.DATA), 99, seq, 0, 0, 1, "<f8", (3,),
+                                        sig, 24)
+            head = t1.heads.data_head(int(FrameKind.DATA), 99, seq, 0, 0, 1, "<f8", shape,
+                                      sig, 24)
+            assert t1.post(0, head, memoryview(sent).cast("B")) is None
+            deadline = time.monotonic() + 5.0
+            got = None
+            while got is None:  # no await: only the direct reads can find it
+                got = t0.poll_payload(key, sig, 8, expect, 24)
+                assert time.monotonic() < deadline, "the frame never came"
+            np.testing.assert_array_equal(np.frombuffer(got, np.float64), sent)
+            t0.mailbox.end(99, seq)
+        assert not t0.mailbox._early and not t0.mailbox._early_sig
+        # a frame of another signature is never handed out
+        t0.mailbox.begin(99, 7, sig)
+        head = t1.heads.data_head(int(FrameKind.DATA), 99, 7, 0, 0, 1, "<f8", (3,), ("x",), 24)
+        assert t1.post(0, head, memoryview(sent).cast("B")) is None
+        key = (1, int(FrameKind.DATA), 99, 7, 0, 0)
+        with pytest.raises(CollectiveError, match="mismatch"):
+            deadline = time.monotonic() + 5.0
+            while t0.poll_payload(key, sig, 8, b"never", 24) is None:
+                assert time.monotonic() < deadline, "the frame never came"

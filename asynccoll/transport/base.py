@@ -36,6 +36,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -313,6 +314,15 @@ class Mailbox:
             f"but world rank {self.rank} called {describe_sig(mine)}"), scope)
 
 
+def checked_payload(frame: Frame, sig: tuple[Any, ...] | None) -> Any:
+    """A received collective frame's payload, once its signature is checked (the mailbox
+    caught a mismatch already and broke the world; such data is never handed out)."""
+    if frame.header.sig != sig:
+        raise CollectiveError(f"collective mismatch: {describe_sig(frame.header.sig)} "
+                              f"vs {describe_sig(sig)}")
+    return frame.payload
+
+
 def _fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
     """Fail a posted receive; pipelined algorithms may never await every one of them, so the
     exception is marked as retrieved (whoever awaits still gets it)."""
@@ -434,6 +444,35 @@ class Transport(abc.ABC):
         was read. Frames read this way go through the mailbox exactly as the event loop's
         reads do. Receives that poll call it (the default: nothing to read directly)."""
         return False
+
+    def poll_payload(self, key: Key, sig: tuple[Any, ...], reads: int, expect: bytes | None,
+                     nbytes: int) -> Any:
+        """The payload of the frame for ``key`` if it is here, trying up to ``reads`` direct
+        reads of its sender first (``pump``); ``None`` if it is not (yet).
+
+        The lean receive of small collectives (``Call.payload_of``): nothing is posted, so a
+        frame costs no future, no posted entry and no event-loop turn. ``expect``, when
+        given, is the head (prefix and header) the frame will have if the sender encodes it
+        canonically, for ``nbytes`` of payload: a transport that reads bytes itself may take
+        such a frame without decoding it. Stops after a read that completed no frame for
+        ``key``, so that the caller can let the event loop run (a frame may be half read,
+        and this rank's own queued writes may be what the sender waits for).
+
+        Raises:
+            CollectiveError: the frame's signature is not ``sig``, the world is broken for
+                this collective, or the sender is lost.
+        """
+        take = self.mailbox.take
+        frame = take(key, None)
+        if frame is None and reads:
+            pump, src, yields = self.pump, key[0], self.yields
+            for _ in range(reads):
+                if pump(src):
+                    frame = take(key, None)
+                    break
+                if yields:
+                    os.sched_yield()
+        return None if frame is None else checked_payload(frame, sig)
 
     # -- shared ---------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from ..wire import (
     FrameKind,
     encode_frame_bytes,
 )
-from .base import Transport, frame_key
+from .base import Key, Transport, checked_payload, frame_key
 
 log = logging.getLogger("asynccoll.transport.tcp")
 
@@ -158,6 +158,26 @@ class _Connection(asyncio.BufferedProtocol):
                 self._on_frame(frame)
         except (ProtocolError, AuthenticationError) as exc:
             self._protocol_failure(exc)
+
+    def received(self, nbytes: int, head: bytes, payload_len: int) -> bytearray | None:
+        """``buffer_updated`` for bytes read while a collective waits for a frame it can
+        predict (``head``, see ``BufferedFrameReader.take_staged``): that frame's payload when
+        it is the next one and whole, else ``None``; every other frame goes to the mailbox
+        as usual."""
+        reader = self.reader
+        got = None
+        try:
+            if reader.staging:
+                reader.stage(nbytes)
+                got = reader.take_staged(head, payload_len)
+                nbytes = 0
+                if reader.idle:
+                    return got
+            for frame in reader.buffer_updated(nbytes):
+                self._on_frame(frame)
+        except (ProtocolError, AuthenticationError) as exc:
+            self._protocol_failure(exc)
+        return got
 
     def eof_received(self) -> bool:
         return False
@@ -477,6 +497,35 @@ class TcpTransport(Transport):
             return False
         conn.buffer_updated(n)
         return True
+
+    def poll_payload(self, key: Key, sig: tuple[Any, ...], reads: int, expect: bytes | None,
+                     nbytes: int) -> Any:
+        """See Transport.poll_payload: here a frame that is exactly the ``expect`` head is
+        taken straight out of the bytes read (``_Connection.received``), with no decoding,
+        no mailbox and no frame object."""
+        if expect is None:
+            return super().poll_payload(key, sig, reads, expect, nbytes)
+        frame = self.mailbox.take(key, None)
+        if frame is not None:
+            return checked_payload(frame, sig)
+        conn = self._in.get(key[0])
+        if not reads or conn is None or conn.raw is None or conn.closed:
+            return None
+        reader, recv_into, yields = conn.reader, conn.raw.recv_into, self.yields
+        for _ in range(reads):
+            try:
+                n = recv_into(reader.get_buffer())
+            except OSError:  # nothing there (BlockingIOError), or the loop will see the error
+                n = 0
+            if n:
+                got = conn.received(n, expect, nbytes)
+                if got is not None:
+                    return got
+                frame = self.mailbox.take(key, None)
+                return None if frame is None else checked_payload(frame, sig)
+            if yields:
+                os.sched_yield()
+        return None
 
     # -- failures -------------------------------------------------------------------------
 
