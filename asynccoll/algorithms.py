@@ -20,7 +20,8 @@ barrier            dissemination                               -
 =================  ==========================================  ===============================
 
 Thresholds live in ``asynccoll.tuning``. Algorithms talk to peers only through
-``Call`` (post, send, post_recv, recv, exchange, compute_and_post), so every backend runs
+``Call`` (post, send, post_recv, recv, exchange, compute_and_post, and the lean receives of
+small collectives, payload_of and swap), so every backend runs
 exactly this code; where a backend differs, the algorithm reads its flags (``lends``: payloads
 can be read in place; ``polls``) rather than its type.
 """

@@ -1,7 +1,8 @@
 """One rank of a side-by-side collective benchmark: asynccoll, torch.distributed (gloo) or mpi4py.
 
 Started by ``benchmarks/compare.py``; every framework is timed the same way so the ratios mean
-something: per size, ``warmup`` untimed calls, then each of ``iters`` calls timed on its own;
+something: per size, untimed warm-up calls (``warmup_for``), then each of ``iters`` calls timed
+on its own;
 a rank's figure is the median call, and the reported time is the slowest rank's (max over
 ranks). Sizes follow nccl-tests: all_gather's size is the gathered output.
 
@@ -24,6 +25,15 @@ import numpy as np
 
 def iters_for(nbytes: int) -> int:
     return max(5, min(1000, (64 << 20) // max(nbytes, 1 << 12)))
+
+
+def warmup_for(nbytes: int, least: int) -> int:
+    """Untimed calls before the timed ones: a tenth of them, up to 100 (as the OSU
+    micro-benchmarks skip 100-200 iterations of small messages), at least ``least``. The first
+    hundred-odd calls of a run are slower (connections being set up, the scheduler still
+    placing the ranks on cores): a 4-rank 8-byte all_reduce timed first measured 148 us over
+    1000 calls, and 108-130 us after another collective had run."""
+    return max(least, min(100, iters_for(nbytes) // 10))
 
 
 def shapes(op: str, nbytes: int, n: int) -> tuple[int, int]:
@@ -77,8 +87,8 @@ def run_gloo(args: argparse.Namespace) -> None:
                 "barrier": lambda: dist.barrier(),
             }[op]
             dist.barrier()
-            t = torch.tensor([median_time(call, iters_for(nbytes), args.warmup)],
-                             dtype=torch.float64)
+            seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup))
+            t = torch.tensor([seconds], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rank == 0:
                 report("gloo", op, nbytes, n, float(t[0]))
@@ -104,7 +114,8 @@ def run_mpi(args: argparse.Namespace) -> None:
                 "barrier": lambda: comm.Barrier(),
             }[op]
             comm.Barrier()
-            t = comm.allreduce(median_time(call, iters_for(nbytes), args.warmup), op=MPI.MAX)
+            seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup))
+            t = comm.allreduce(seconds, op=MPI.MAX)
             if rank == 0:
                 report("mpi", op, nbytes, n, t)
 
@@ -133,7 +144,7 @@ async def _asynccoll(args: argparse.Namespace) -> None:
                     else:
                         await comm.barrier()
 
-                for _ in range(args.warmup):
+                for _ in range(warmup_for(nbytes, args.warmup)):
                     await call()
                 await comm.barrier()
                 times = []
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("framework", choices=("asynccoll", "gloo", "mpi"))
     p.add_argument("--ops", type=lambda s: s.split(","), required=True)
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], required=True)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls per size, at least")
     p.add_argument("--port", type=int, default=0, help="gloo's TCP store port")
     args = p.parse_args(argv)
     {"asynccoll": run_asynccoll, "gloo": run_gloo, "mpi": run_mpi}[args.framework](args)

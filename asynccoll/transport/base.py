@@ -22,7 +22,9 @@ buffer as usual. ``Transport.lends`` tells algorithms which of the two they get.
 A backend may also offer ``Transport.pump``: read what one peer sent, right now, without
 an event-loop turn. A receive that polls (``Transport.polls``) calls it between turns, so
 a small frame that is already in the socket is parsed, matched and delivered in the waiting
-coroutine itself: a turn of the event loop costs more than the read.
+coroutine itself: a turn of the event loop costs more than the read. Small collectives go
+further with ``Transport.poll_payload``: nothing is posted at all, and a transport that reads
+bytes itself may take a frame whose head is exactly the one predicted without decoding it.
 
 The mailbox also checks collective signatures: every DATA frame carries the signature of the
 collective that sent it (name, dtype, shape, op, algorithm ...). When it differs from the
