@@ -3,8 +3,9 @@
     python -m asynccoll run -n 2 benchmarks/timeline.py              # 8-byte all_reduce
     python -m asynccoll run -n 2 benchmarks/timeline.py --nbytes 64 --iters 20000
 
-Each rank wraps three internals of the TCP transport with timestamps (the socket write, the
-first direct read of a polling receive, the frame's delivery to the mailbox) and prints the
+Each rank wraps internals of the TCP transport with timestamps (the socket write, the first
+direct read of the lean receive, the frame's arrival: taken as predicted, or delivered to the
+mailbox) and prints the
 median of every phase of a call: before the write, the write, to the first poll, to the
 delivery, to the return. The wrappers add about a microsecond to each phase; compare the
 phases with each other, and totals with `profile_collective.py`.
@@ -21,6 +22,7 @@ import numpy as np
 from workers import run_event_loop  # benchmarks/ is on sys.path when run as a script
 
 import asynccoll
+from asynccoll import wire
 from asynccoll.transport import base, tcp
 
 PHASES = ("before the write", "write()", "to the first poll", "to the delivery", "to the return",
@@ -29,23 +31,31 @@ PHASES = ("before the write", "write()", "to the first poll", "to the delivery",
 
 def instrument(stamps: dict[str, float]) -> None:
     clock = time.perf_counter
-    write, pump, deliver = tcp._Connection.write, tcp.TcpTransport.pump, base.Mailbox.deliver
+    write, poll = tcp._Connection.write, tcp.TcpTransport.poll_payload
+    take, deliver = wire.BufferedFrameReader.take_staged, base.Mailbox.deliver
 
     def timed_write(self: Any, head: bytes, payload: Any) -> None:
         stamps.setdefault("w0", clock())
         write(self, head, payload)
         stamps.setdefault("w1", clock())
 
-    def timed_pump(self: Any, src: int) -> bool:
+    def timed_poll(self: Any, *args: Any) -> Any:
         stamps.setdefault("p", clock())
-        return pump(self, src)
+        return poll(self, *args)
+
+    def timed_take(self: Any, head: bytes, payload_len: int) -> Any:
+        got = take(self, head, payload_len)
+        if got is not None:
+            stamps.setdefault("d", clock())
+        return got
 
     def timed_deliver(self: Any, key: Any, frame: Any) -> None:
         stamps.setdefault("d", clock())
         deliver(self, key, frame)
 
     tcp._Connection.write = timed_write  # type: ignore[method-assign]
-    tcp.TcpTransport.pump = timed_pump  # type: ignore[method-assign]
+    tcp.TcpTransport.poll_payload = timed_poll  # type: ignore[method-assign]
+    wire.BufferedFrameReader.take_staged = timed_take  # type: ignore[method-assign]
     base.Mailbox.deliver = timed_deliver  # type: ignore[method-assign]
 
 
