@@ -44,7 +44,6 @@ from .transport.base import (
     Work,
     checked_payload,
     compute_and_post_inline,
-    describe_sig,
 )
 from .tuning import Tuning
 from .wire import Frame, FrameKind, array_view, dtype_code
@@ -267,10 +266,7 @@ class Recv:
                 if not fut.done():
                     await asyncio.sleep(0)
         frame = await fut
-        sig = self.call.sig
-        if frame.header.sig != sig:  # the mailbox caught it already; never hand out such data
-            raise CollectiveError(f"collective mismatch: {describe_sig(frame.header.sig)} "
-                                  f"vs {describe_sig(sig)}")
+        checked_payload(frame, self.call.sig)
         return frame
 
     async def get(self, *, resize: bool = False) -> np.ndarray:
