@@ -367,7 +367,11 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
     nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
     total = reduce_steps + gather_steps
-    scratch = np.empty(reduce_steps * width, flat.dtype)
+    # in place, the scratch is only needed during the call: it comes from the transport's
+    # pool (no page faults on every call); otherwise the result is a view of it
+    pool = call.t.scratch if inplace else None
+    scratch = (pool.take(reduce_steps * width, flat.dtype) if pool is not None
+               else np.empty(reduce_steps * width, flat.dtype))
 
     def block(s: int) -> int:  # block received at step s
         return (r - s - 2) % w if s < reduce_steps else (r - (s - reduce_steps) - 1) % w
@@ -406,7 +410,8 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
             if s + 1 < total:
                 pending.append(call.post(right, (s + 1) * nseg + k, ready))
     await settle(pending)
-    if inplace:
+    if pool is not None:
+        pool.give(scratch)
         return None
     start, stop = bounds[r]
     base = (reduce_steps - 1) * width
@@ -437,7 +442,7 @@ async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     mine = segments(start, stop, nseg)
     # the peers' parts of my block land in scratch, unless the transport lends them (then
     # scratch is never touched and costs only address space)
-    scratch = np.empty((w - 1) * (stop - start), flat.dtype)
+    scratch = call.t.scratch.take((w - 1) * (stop - start), flat.dtype)
     base = [i * (stop - start) - start for i in range(w - 1)]
     incoming = [[call.post_recv(j, k, scratch[base[i] + a:base[i] + b], borrow=True)
                  for k, (a, b) in enumerate(mine)] for i, j in enumerate(peers)]
@@ -457,6 +462,7 @@ async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     for rcv in gathered:
         await rcv.get()
     await settle(pending)
+    call.t.scratch.give(scratch)
 
 
 async def ring_reduce_scatter(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]],

@@ -431,6 +431,49 @@ async def test_large_all_reduce_16mib() -> None:
     assert await asynccoll.run_local(fn, 3, backend="tcp", timeout=60.0, token=TOKEN) == [True] * 3
 
 
+@pytest.mark.timeout(60)
+async def test_pooled_scratch_and_early_payloads_never_mix_calls() -> None:
+    """Back-to-back ring all_reduces and all_gathers with rank 0 always late, so that the
+    others' first segments of each call reach it before its receives are posted: those land
+    in pooled buffers (asynccoll.scratch) that are reused call after call, as is the ring's
+    scratch; every result must still be exact."""
+    n = (1 << 20) // 4
+    tuning = asynccoll.Tuning(small_bytes=0, segment_bytes=64 << 10)
+    base = (np.arange(n) % 97).astype(np.float32)
+
+    async def fn(comm: Communicator) -> tuple[int, int]:
+        comm.tuning = tuning
+        t = comm.transport
+        assert isinstance(t, TcpTransport)
+        reclaimed = 0
+        reclaim = t.scratch.reclaim
+
+        def counting(payload: Any) -> bool:
+            nonlocal reclaimed
+            ok = reclaim(payload)
+            reclaimed += ok
+            return ok
+
+        t.mailbox.reclaim = counting
+        a = np.empty(n, np.float32)
+        out = np.empty(n * comm.world_size, np.float32)
+        for it in range(10):
+            if comm.rank == 0:
+                await asyncio.sleep(0.01)  # the others run ahead
+            np.add(base, comm.rank * 1000 + it, out=a)
+            await comm.all_reduce(a)
+            np.testing.assert_array_equal(a, base * 3 + 3000 + 3 * it)
+            np.add(base, comm.rank * 100 + it, out=a)
+            await comm.all_gather(a, out=out)
+            for j in range(comm.world_size):
+                np.testing.assert_array_equal(out[j * n:(j + 1) * n], base + j * 100 + it)
+        return reclaimed, t.scratch.kept
+
+    results = await asynccoll.run_local(fn, 3, backend="tcp", timeout=30.0, token=TOKEN)
+    assert results[0][0] > 0, "no early payload reached rank 0 through the pool"
+    assert all(kept > 0 for _, kept in results)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("recv_first", [True, False], ids=["recv-posted-first",
                                                           "recv-posted-second"])

@@ -50,6 +50,7 @@ from ..errors import (
     CommunicatorClosedError,
     PeerLostError,
 )
+from ..scratch import ScratchPool
 from ..wire import Frame, FrameHeader, FrameKind, HeadCache
 
 log = logging.getLogger("asynccoll.transport")
@@ -112,6 +113,12 @@ class Mailbox:
         self._lent: dict[Key, asyncio.Future[None]] = {}
         # lent payloads a borrowing receive holds (until Transport.release or a failure)
         self._borrowed: dict[Key, asyncio.Future[None]] = {}
+        # early payloads a borrowing receive holds, to be reclaimed when it releases them
+        self._kept: dict[Key, Any] = {}
+        #: called with an early frame's payload once nothing refers to it any more (it was
+        #: copied to the receive's buffer, or a borrowing receive released it): a transport
+        #: that reads early payloads into pooled buffers takes them back (ScratchPool.reclaim)
+        self.reclaim: Callable[[Any], object] | None = None
         self._error: CollectiveError | None = None
         self._scope: Scope | None = None
         self._on_mismatch = on_mismatch
@@ -152,11 +159,18 @@ class Mailbox:
                 raise lost
             return None
         lent = self._lent.pop(key, None)
-        if lent is not None and borrow and _fits(frame, into):
-            self._borrowed[key] = lent
+        if borrow and _fits(frame, into):
+            # only read: hand the payload over as it is (no copy into ``into``)
+            if lent is not None:
+                self._borrowed[key] = lent
+            elif self.reclaim is not None:
+                self._kept[key] = frame.payload
             return frame
         filled = _fill(frame, into)
-        if lent is not None:
+        if lent is None:
+            if filled is not frame and self.reclaim is not None:
+                self.reclaim(frame.payload)  # copied out: nothing refers to it any more
+        else:
             if filled.payload is not into:  # not copied yet: take our own copy now
                 own = np.empty(memoryview(frame.payload).nbytes, np.uint8)
                 copy_bytes(own.data.cast("B"), memoryview(frame.payload))
@@ -197,6 +211,9 @@ class Mailbox:
 
     def release(self, key: Key) -> None:
         """The receiver is done with the payload it borrowed for ``key`` (if any)."""
+        kept = self._kept.pop(key, None)
+        if kept is not None and self.reclaim is not None:
+            self.reclaim(kept)
         fut = self._borrowed.pop(key, None)
         if fut is not None and not fut.done():
             fut.set_result(None)
@@ -253,8 +270,18 @@ class Mailbox:
                 return
             self._early[key] = frame
             return
-        if not posted.future.done():
-            posted.future.set_result(_fill(frame, posted.into))
+        if posted.future.done():
+            return
+        if posted.borrow and frame.payload is not posted.into and _fits(frame, posted.into):
+            # read elsewhere (the receive was posted mid-frame): only read, so no copy
+            if self.reclaim is not None:
+                self._kept[key] = frame.payload
+            posted.future.set_result(frame)
+            return
+        filled = _fill(frame, posted.into)
+        posted.future.set_result(filled)
+        if filled is not frame and self.reclaim is not None:
+            self.reclaim(frame.payload)
 
     def peer_lost(self, src: int, exc: CollectiveError) -> None:
         """Fail receives from ``src`` now and later (frames that already arrived stay readable)."""
@@ -290,6 +317,9 @@ class Mailbox:
         # (it may still read the memory, but never hands out what it computes from it)
         for key in [k for k in self._borrowed if not self._key_allowed(k)]:
             self.release(key)
+        # ... but an early payload it may still read is not reused: left to the collector
+        for key in [k for k in self._kept if not self._key_allowed(k)]:
+            del self._kept[key]
         return True
 
     def allowed(self, group: int, seq: int) -> bool:
@@ -416,6 +446,8 @@ class Transport(abc.ABC):
         self.peer_loss = "abort"
         #: encoded DATA headers of recurring collectives (see HeadCache)
         self.heads = HeadCache()
+        #: scratch buffers of collectives, kept between calls (see asynccoll.scratch)
+        self.scratch = ScratchPool()
 
     # -- to implement ---------------------------------------------------------------------
 
@@ -585,4 +617,5 @@ class Transport(abc.ABC):
         self._closed = True
         if self.mailbox.error is None:
             self.mailbox.fail(CommunicatorClosedError("the communicator was closed"))
+        self.scratch.clear()
         await self._close()
