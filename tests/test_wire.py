@@ -666,3 +666,76 @@ def test_take_staged_leaves_anything_else_alone() -> None:
     reader.get_buffer()[:len(head)] = head
     reader.stage(len(head))
     assert reader.take_staged(head, 0) == b"" and reader.idle  # an empty payload is taken too
+
+
+# ---------------------------------------------------- the stream reader with posted buffers
+
+@given(sizes=st.lists(st.sampled_from([0, 5, 3000, 70_000, 200_000]), min_size=1, max_size=6),
+       posted=st.lists(st.booleans(), min_size=6, max_size=6),
+       reads=st.lists(st.integers(min_value=1, max_value=300_000), min_size=1, max_size=12))
+@settings(FUZZ, max_examples=60)
+def test_reader_with_posted_buffers_and_any_read_sizes(sizes: list[int], posted: list[bool],
+                                                       reads: list[int]) -> None:
+    """BufferedFrameReader as the TCP transport drives it: whatever size each read has, every
+    frame comes out whole and in order, its payload in the posted buffer when there is one;
+    after a large payload read straight into its buffer, the next read into the staging
+    buffer is offered only HEAD_READ_BYTES (so that the next large payload is not copied)."""
+    payloads = [bytes(np.random.default_rng(i).integers(0, 256, n, np.uint8))
+                for i, n in enumerate(sizes)]
+    frames_in = [Frame(FrameKind.DATA, FrameHeader(seq=i, src=1, dtype="|u1", shape=(len(p),)),
+                       p) for i, p in enumerate(payloads)]
+    stream = b"".join(wire.encode_frame_bytes(f) for f in frames_in)
+    buffers = {i: bytearray(len(p)) for i, p in enumerate(payloads) if posted[i]}
+
+    def sink(kind: FrameKind, header: FrameHeader, nbytes: int) -> memoryview | None:
+        buf = buffers.get(header.seq)
+        return memoryview(buf) if buf is not None else None
+
+    reader = wire.BufferedFrameReader(sink, max_payload=1 << 20)
+    out: list[Frame] = []
+    pos = k = 0
+    while pos < len(stream):
+        buf = reader.get_buffer()
+        assert buf.nbytes > 0
+        if reader._head_only:
+            assert buf.nbytes <= reader.HEAD_READ_BYTES
+        n = min(buf.nbytes, reads[k % len(reads)], len(stream) - pos)
+        k += 1
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        out += reader.buffer_updated(n)
+    assert reader.idle
+    assert [f.header.seq for f in out] == list(range(len(payloads)))
+    for f, p in zip(out, payloads, strict=True):
+        assert bytes(memoryview(f.payload)) == p
+        if f.header.seq in buffers and p:
+            assert f.payload is not None and memoryview(f.payload).obj is buffers[f.header.seq]
+
+
+def test_after_a_large_payload_only_a_head_is_read_into_the_staging_buffer() -> None:
+    big = 100_000
+    frames = [Frame(FrameKind.DATA, FrameHeader(seq=i, src=1, dtype="|u1", shape=(big,)),
+                    bytes([i]) * big) for i in range(2)]
+    stream = b"".join(wire.encode_frame_bytes(f) for f in frames)
+    targets = [bytearray(big), bytearray(big)]
+    reader = wire.BufferedFrameReader(lambda k, h, n: memoryview(targets[h.seq]),
+                                      max_payload=1 << 20)
+    assert reader.get_buffer().nbytes == reader.STAGE_BYTES
+    first = len(stream) // 2
+    buf = reader.get_buffer()  # the first frame's head and the start of its payload
+    buf[:1000] = stream[:1000]
+    assert reader.buffer_updated(1000) == []
+    buf = reader.get_buffer()  # the rest of the payload: straight into its buffer
+    assert buf.nbytes == first - 1000
+    buf[:] = stream[1000:first]
+    assert [f.header.seq for f in reader.buffer_updated(buf.nbytes)] == [0]
+    buf = reader.get_buffer()
+    assert buf.nbytes == reader.HEAD_READ_BYTES  # not 256 KiB of the next payload
+    buf[:] = stream[first:first + buf.nbytes]
+    assert reader.buffer_updated(buf.nbytes) == []
+    buf = reader.get_buffer()
+    assert buf.nbytes == len(stream) - first - reader.HEAD_READ_BYTES
+    buf[:] = stream[first + reader.HEAD_READ_BYTES:]
+    assert [f.header.seq for f in reader.buffer_updated(buf.nbytes)] == [1]
+    assert targets == [bytearray(b"\x00") * big, bytearray(b"\x01") * big]
+    assert reader.get_buffer().nbytes == reader.HEAD_READ_BYTES and reader.idle

@@ -387,6 +387,8 @@ class TcpTransport(Transport):
         self._queued: dict[int, list[tuple[bytes, memoryview | None, asyncio.Future[None]]]] = {}
         self._incoming: set[_Connection] = set()
         self._in: dict[int, _Connection] = {}  # authenticated incoming connection per rank
+        # ranks that closed their communicator (sends to them fail; see _connection_lost)
+        self._gone: dict[int, PeerLostError] = {}
         self._open: set[_Connection] = set()  # every connection until connection_lost
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
@@ -417,8 +419,9 @@ class TcpTransport(Transport):
         self._dialing.pop(dst, None)
 
     async def _dial(self, dst: int) -> _Connection:
-        if dst in self.mailbox._lost:
-            raise self.mailbox._lost[dst]
+        lost = self.mailbox._lost.get(dst) or self._gone.get(dst)
+        if lost is not None:
+            raise lost
         try:
             host, port = self.addresses[dst]
         except KeyError:
@@ -460,7 +463,7 @@ class TcpTransport(Transport):
         if conn is not None and not conn.closed:
             conn.write(head, payload)
             return conn.drain_future() if conn._paused else None
-        lost = self.mailbox._lost.get(dst)
+        lost = self.mailbox._lost.get(dst) or self._gone.get(dst)
         if lost is not None:
             raise lost
         # not connected yet: queue in order behind one dial
@@ -552,8 +555,15 @@ class TcpTransport(Transport):
         peer = conn.peer
         if conn.graceful:
             log.debug("rank %d: rank %d closed its communicator", self.rank, peer)
-            self.mailbox.peer_lost(peer, PeerLostError(
-                f"world rank {peer} has closed its communicator", rank=peer))
+            err = PeerLostError(f"world rank {peer} has closed its communicator", rank=peer)
+            self._gone.setdefault(peer, err)
+            # What it sent before closing still arrives on its own connection to us, where
+            # its BYE comes last (a rank returns from a collective with the tail of its data
+            # still queued; it is flushed on close): receives from it fail only once that
+            # connection is closed too, not when the one we send on is.
+            if not any(c.peer == peer and c.authenticated and not c.closed
+                       for c in self._incoming):
+                self.mailbox.peer_lost(peer, err)
             return
         reason = f": {exc}" if exc else ""
         log.warning("rank %d: lost connection to rank %d%s", self.rank, peer, reason)
@@ -565,7 +575,7 @@ class TcpTransport(Transport):
     def _notify_abort(self, frame: Frame) -> None:
         data = encode_frame_bytes(frame)
         for dst in range(self.world_size):
-            if dst == self.rank or dst in self.mailbox._lost:
+            if dst == self.rank or dst in self.mailbox._lost or dst in self._gone:
                 continue
             conn = self._out.get(dst)
             if conn is None or conn.closed:  # the peer's own connection to us works too
