@@ -452,9 +452,14 @@ class Transport(abc.ABC):
     # -- to implement ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def post(self, dst: int, head: bytes, payload: memoryview | None
+    def post(self, dst: int, head: bytes, payload: memoryview | None, *, lone: bool = False
              ) -> asyncio.Future[None] | None:
         """Start sending one frame (``head`` = prefix + header from ``asynccoll.wire``).
+
+        ``lone``: a hint that the frame travels one way while its receiver waits for it
+        (a broadcast, a gather, a point-to-point send), not amid traffic in both directions
+        (a ring, an all_gather): a transport may then cut a large payload up so that the
+        receiver copies the first part out while the rest goes in (TCP does).
 
         Never blocks. Returns ``None`` when ``payload`` may be reused already, else a future
         that completes once it may (the caller must not touch ``payload`` before). Frames
@@ -510,9 +515,10 @@ class Transport(abc.ABC):
 
     # -- shared ---------------------------------------------------------------------------
 
-    async def send(self, dst: int, head: bytes, payload: memoryview | None) -> None:
+    async def send(self, dst: int, head: bytes, payload: memoryview | None, *,
+                   lone: bool = False) -> None:
         """``post``, then wait until ``payload`` may be reused."""
-        pending = self.post(dst, head, payload)
+        pending = self.post(dst, head, payload, lone=lone)
         if pending is not None:
             await pending
             self.check_sendable()
