@@ -34,9 +34,9 @@ def instrument(stamps: dict[str, float]) -> None:
     write, poll = tcp._Connection.write, tcp.TcpTransport.poll_payload
     take, deliver = wire.BufferedFrameReader.take_staged, base.Mailbox.deliver
 
-    def timed_write(self: Any, head: bytes, payload: Any) -> None:
+    def timed_write(self: Any, head: bytes, payload: Any, *args: Any) -> None:
         stamps.setdefault("w0", clock())
-        write(self, head, payload)
+        write(self, head, payload, *args)
         stamps.setdefault("w1", clock())
 
     def timed_poll(self: Any, *args: Any) -> Any:

@@ -28,12 +28,14 @@ def iters_for(nbytes: int) -> int:
 
 
 def warmup_for(nbytes: int, least: int) -> int:
-    """Untimed calls before the timed ones: a tenth of them, up to 100 (as the OSU
-    micro-benchmarks skip 100-200 iterations of small messages), at least ``least``. The first
-    hundred-odd calls of a run are slower (connections being set up, the scheduler still
-    placing the ranks on cores): a 4-rank 8-byte all_reduce timed first measured 148 us over
-    1000 calls, and 108-130 us after another collective had run."""
-    return max(least, min(100, iters_for(nbytes) // 10))
+    """Untimed calls before the timed ones: as many as will be timed (up to 1000 for small
+    sizes, 5 for the largest), at least ``least``; every framework alike. A run's first
+    thousand-odd calls are slower while the scheduler settles the ranks on the cores: medians
+    of successive blocks of 250 4-rank 8-byte all_reduces of one run went 217, 173, 146, 124,
+    113 us, then 84-112 us, and the harness measured 120-142 us after 100 warm-up calls
+    against 88-95 us after 1000. The OSU micro-benchmarks skip 100-200 iterations of small
+    messages; measuring the steady state needs about as many as are timed."""
+    return max(least, min(1000, iters_for(nbytes)))
 
 
 def shapes(op: str, nbytes: int, n: int) -> tuple[int, int]:

@@ -256,8 +256,10 @@ class _Connection(asyncio.BufferedProtocol):
         mailbox = owner.mailbox
         if not mailbox.check(kind, header):
             return None
-        into = mailbox.claim(frame_key(kind, header), nbytes)
-        if into is None and nbytes >= POOLED_PAYLOAD_BYTES and kind is _DATA:
+        key = frame_key(kind, header)
+        into = mailbox.claim(key, nbytes)
+        if (into is None and nbytes >= POOLED_PAYLOAD_BYTES and kind is _DATA
+                and not mailbox.waiting(key)):
             # early (no receive posted yet): into a pooled buffer, which the mailbox gives
             # back once the payload was copied out or released (see asynccoll.scratch)
             return owner.scratch.take(nbytes, _BYTES).data
