@@ -86,8 +86,9 @@ class ScratchPool:
         free.append(owner)
         # over a limit: free the smallest buffers first (large ones save the most per call)
         free.sort(key=lambda buf: buf.nbytes, reverse=True)
-        while len(free) > LIMIT_BUFFERS or sum(buf.nbytes for buf in free) > self.limit:
-            free.pop()
+        kept = self.kept
+        while len(free) > LIMIT_BUFFERS or kept > self.limit:
+            kept -= free.pop().nbytes
 
     def reclaim(self, payload: Any) -> bool:
         """``give`` back ``payload`` (an array or a memoryview of one) if it is an array

@@ -159,23 +159,17 @@ class Mailbox:
                 raise lost
             return None
         lent = self._lent.pop(key, None)
+        if lent is None:
+            return self._hand_over(key, frame, into, borrow)
         if borrow and _fits(frame, into):
-            # only read: hand the payload over as it is (no copy into ``into``)
-            if lent is not None:
-                self._borrowed[key] = lent
-            elif self.reclaim is not None:
-                self._kept[key] = frame.payload
+            self._borrowed[key] = lent
             return frame
         filled = _fill(frame, into)
-        if lent is None:
-            if filled is not frame and self.reclaim is not None:
-                self.reclaim(frame.payload)  # copied out: nothing refers to it any more
-        else:
-            if filled.payload is not into:  # not copied yet: take our own copy now
-                own = np.empty(memoryview(frame.payload).nbytes, np.uint8)
-                copy_bytes(own.data.cast("B"), memoryview(frame.payload))
-                filled = Frame(frame.kind, frame.header, own)
-            lent.set_result(None)
+        if filled.payload is not into:  # not copied yet: take our own copy now
+            own = np.empty(memoryview(frame.payload).nbytes, np.uint8)
+            copy_bytes(own.data.cast("B"), memoryview(frame.payload))
+            filled = Frame(frame.kind, frame.header, own)
+        lent.set_result(None)
         return filled
 
     def lend(self, key: Key, frame: Frame) -> asyncio.Future[None]:
@@ -270,18 +264,26 @@ class Mailbox:
                 return
             self._early[key] = frame
             return
-        if posted.future.done():
-            return
-        if posted.borrow and frame.payload is not posted.into and _fits(frame, posted.into):
-            # read elsewhere (the receive was posted mid-frame): only read, so no copy
+        if not posted.future.done():
+            posted.future.set_result(self._hand_over(key, frame, posted.into, posted.borrow))
+
+    def _hand_over(self, key: Key, frame: Frame, into: memoryview | None, borrow: bool
+                   ) -> Frame:
+        """What the receive of ``key`` gets of ``frame``, whose payload is this rank's own
+        memory: for a borrowing receive (it only reads) the frame as it is, with no copy
+        into ``into``; otherwise the payload copied into ``into`` (``_fill``). A payload
+        that nothing refers to any more (copied out, or once the borrower releases it) goes
+        to ``reclaim``."""
+        if frame.payload is into:
+            return frame
+        if borrow and _fits(frame, into):
             if self.reclaim is not None:
                 self._kept[key] = frame.payload
-            posted.future.set_result(frame)
-            return
-        filled = _fill(frame, posted.into)
-        posted.future.set_result(filled)
+            return frame
+        filled = _fill(frame, into)
         if filled is not frame and self.reclaim is not None:
             self.reclaim(frame.payload)
+        return filled
 
     def peer_lost(self, src: int, exc: CollectiveError) -> None:
         """Fail receives from ``src`` now and later (frames that already arrived stay readable)."""

@@ -420,11 +420,15 @@ class TcpTransport(Transport):
             dialing.add_done_callback(functools.partial(self._dial_done, dst))
         return await asyncio.shield(dialing)
 
+    def _unreachable(self, dst: int) -> CollectiveError | None:
+        """Why nothing can be sent to ``dst`` any more (lost, or closed its communicator)."""
+        return self.mailbox._lost.get(dst) or self._gone.get(dst)
+
     def _dial_done(self, dst: int, _fut: object) -> None:
         self._dialing.pop(dst, None)
 
     async def _dial(self, dst: int) -> _Connection:
-        lost = self.mailbox._lost.get(dst) or self._gone.get(dst)
+        lost = self._unreachable(dst)
         if lost is not None:
             raise lost
         try:
@@ -468,7 +472,7 @@ class TcpTransport(Transport):
         if conn is not None and not conn.closed:
             conn.write(head, payload, lone)
             return conn.drain_future() if conn._paused else None
-        lost = self.mailbox._lost.get(dst) or self._gone.get(dst)
+        lost = self._unreachable(dst)
         if lost is not None:
             raise lost
         # not connected yet: queue in order behind one dial
@@ -580,7 +584,7 @@ class TcpTransport(Transport):
     def _notify_abort(self, frame: Frame) -> None:
         data = encode_frame_bytes(frame)
         for dst in range(self.world_size):
-            if dst == self.rank or dst in self.mailbox._lost or dst in self._gone:
+            if dst == self.rank or self._unreachable(dst) is not None:
                 continue
             conn = self._out.get(dst)
             if conn is None or conn.closed:  # the peer's own connection to us works too
