@@ -665,3 +665,101 @@ async def test_poll_payload_takes_the_predicted_frame_without_the_loop() -> None
             deadline = time.monotonic() + 5.0
             while t0.poll_payload(key, sig, 8, b"never", 24) is None:
                 assert time.monotonic() < deadline, "the frame never came"
+
+
+# ------------------------------------------------------------------------ congestion control
+
+class _FakeSocket:
+    """What ``congestion_control`` reads of a socket: its own and its peer's address."""
+
+    def __init__(self, local: str, peer: str | None) -> None:
+        self.local, self.peer = local, peer
+
+    def getsockname(self) -> tuple[str, int]:
+        return self.local, 40000
+
+    def getpeername(self) -> tuple[str, int]:
+        if self.peer is None:
+            raise OSError(107, "Transport endpoint is not connected")
+        return self.peer, 50000
+
+
+@pytest.mark.parametrize(("local", "peer", "setting", "expected"), [
+    ("127.0.0.1", "127.0.0.1", None, "reno"),        # loopback: the local choice
+    ("127.0.0.1", "127.0.0.9", "auto", "reno"),      # anywhere in 127.0.0.0/8
+    ("::1", "::1", None, "reno"),
+    ("10.0.0.5", "10.0.0.5", None, "reno"),          # this host's own address
+    ("10.0.0.5", "10.0.0.6", None, None),            # another host: the system's choice
+    ("10.0.0.5", "10.0.0.6", "cubic", "cubic"),      # an explicit name: every connection
+    ("127.0.0.1", "127.0.0.1", "system", None),      # "system": never touched
+    ("127.0.0.1", "127.0.0.1", " Reno ", "reno"),
+    ("127.0.0.1", None, None, None),                 # not connected
+])
+def test_congestion_control_choice(local: str, peer: str | None, setting: str | None,
+                                   expected: str | None) -> None:
+    from asynccoll.transport.tcp import congestion_control
+    sock: Any = _FakeSocket(local, peer)
+    assert congestion_control(sock, setting) == expected
+
+
+def test_congestion_control_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asynccoll.transport.tcp import CONGESTION_CONTROL_ENV, congestion_control
+    sock: Any = _FakeSocket("127.0.0.1", "127.0.0.1")
+    monkeypatch.setenv(CONGESTION_CONTROL_ENV, "system")
+    assert congestion_control(sock) is None
+    monkeypatch.setenv(CONGESTION_CONTROL_ENV, "cubic")
+    assert congestion_control(sock) == "cubic"
+    monkeypatch.delenv(CONGESTION_CONTROL_ENV)
+    assert congestion_control(sock) == "reno"
+
+
+def _data_sockets(comm: Communicator) -> list[socket.socket]:
+    t = comm.transport
+    assert isinstance(t, TcpTransport)
+    socks = [conn.transport.get_extra_info("socket") for conn in t._open
+             if conn.authenticated and conn.transport is not None]
+    assert socks
+    return socks
+
+
+def _congestion_of(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux socket option")
+async def test_connections_between_ranks_of_one_host_use_the_local_congestion_control(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over loopback every connection between ranks runs LOCAL_CONGESTION_CONTROL (reno),
+    whatever the system's default; ``ASYNCCOLL_TCP_CONGESTION=system`` leaves them alone."""
+    from asynccoll.transport.tcp import CONGESTION_CONTROL_ENV, LOCAL_CONGESTION_CONTROL
+    probe = socket.socket()
+    system = _congestion_of(probe)
+    probe.close()
+    for setting, expected in ((None, LOCAL_CONGESTION_CONTROL), ("system", system)):
+        if setting is None:
+            monkeypatch.delenv(CONGESTION_CONTROL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(CONGESTION_CONTROL_ENV, setting)
+        async with tcp_world(3) as (_, comms):
+            a = [np.full(1000, r + 1.0) for r in range(3)]
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, a, strict=True)))
+            for x in a:
+                np.testing.assert_array_equal(x, np.full(1000, 6.0))
+            for c in comms:
+                assert {_congestion_of(s) for s in _data_sockets(c)} == {expected}
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux socket option")
+async def test_an_unknown_congestion_control_is_reported_once_and_the_world_works(
+        monkeypatch: pytest.MonkeyPatch, logs: LogWatch) -> None:
+    from asynccoll.transport.tcp import CONGESTION_CONTROL_ENV
+    monkeypatch.setenv(CONGESTION_CONTROL_ENV, "no-such-algorithm")
+    async with tcp_world(3) as (_, comms):
+        a = [np.full(10, 1.0) for _ in range(3)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, a, strict=True)))
+        for x in a:
+            np.testing.assert_array_equal(x, np.full(10, 3.0))
+    warned = [m for m in logs.messages() if "no-such-algorithm" in m]
+    # one warning per rank at most (each rank has several connections)
+    assert 1 <= len(warned) <= 3, warned
+    assert "keeping the system's" in warned[0]

@@ -100,9 +100,50 @@ POOLED_PAYLOAD_BYTES = 64 << 10
 _BYTES = np.dtype(np.uint8)
 
 
-def _tune_socket(sock: socket.socket | None) -> None:
+#: The congestion control of connections between ranks of one host (see
+#: ``congestion_control``). Within a host nothing is ever lost or queued on a wire, so
+#: congestion control only decides how fast the window opens and whether sends are paced, and
+#: the simplest does best: with Linux's ``bbr`` (a common default, which paces every send
+#: with a timer) a 16 MiB all_reduce took 6.6 ms over 2 ranks and 25.9 ms over 4 on 2 cores,
+#: with ``cubic`` (whose window grows with wall-clock time, not round trips) 7.9 and 21.3 ms,
+#: with ``reno`` 4.7 and 19.2 ms (a 64 MiB broadcast over 2 ranks: 15 against 9.2 ms). One
+#: case got slower: a 1 MiB all_gather over 4 ranks on 2 cores, 0.77 ms with bbr, 0.92 with
+#: reno. Reno is built into every Linux kernel and always allowed to unprivileged processes.
+LOCAL_CONGESTION_CONTROL = "reno"
+#: environment variable that overrides ``congestion_control``'s choice
+CONGESTION_CONTROL_ENV = "ASYNCCOLL_TCP_CONGESTION"
+
+
+def congestion_control(sock: socket.socket, setting: str | None = None) -> str | None:
+    """The TCP congestion control algorithm to set on a connection between ranks, or ``None``
+    to keep the system's (``sysctl net.ipv4.tcp_congestion_control``).
+
+    ``setting`` (default: the ``ASYNCCOLL_TCP_CONGESTION`` environment variable): unset or
+    ``"auto"``: ``LOCAL_CONGESTION_CONTROL`` for a peer on this host (a loopback address, or
+    this socket's own address), the system's otherwise (a real network is the
+    administrator's to tune); ``"system"``: always the system's; any other name: that
+    algorithm on every connection.
+    """
+    if setting is None:
+        setting = os.environ.get(CONGESTION_CONTROL_ENV, "auto")
+    setting = setting.strip().lower() or "auto"
+    if setting == "system":
+        return None
+    if setting != "auto":
+        return setting
+    try:
+        local, peer = sock.getsockname()[0], sock.getpeername()[0]
+        same_host = peer == local or ipaddress.ip_address(peer).is_loopback
+    except (OSError, ValueError, IndexError, TypeError):  # not an IP socket, or not connected
+        return None
+    return LOCAL_CONGESTION_CONTROL if same_host else None
+
+
+def _tune_socket(sock: socket.socket | None) -> str | None:
+    """Set a connection's socket options; what could not be set that the user should know
+    (``None`` when all went well)."""
     if sock is None:
-        return
+        return None
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -112,6 +153,14 @@ def _tune_socket(sock: socket.socket | None) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    algorithm = congestion_control(sock)
+    if algorithm is not None and hasattr(socket, "TCP_CONGESTION"):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, algorithm.encode())
+        except OSError as exc:  # not built into this kernel, or not allowed to this user
+            return (f"cannot set TCP congestion control {algorithm!r} "
+                    f"({exc.strerror or exc}); keeping the system's")
+    return None
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -145,7 +194,10 @@ class _Connection(asyncio.BufferedProtocol):
         if self.owner._closed:  # accepted while closing
             transport.abort()
             return
-        _tune_socket(transport.get_extra_info("socket"))
+        trouble = _tune_socket(transport.get_extra_info("socket"))
+        if trouble is not None and not self.owner._told_socket_trouble:
+            self.owner._told_socket_trouble = True  # once per rank, not once per connection
+            log.warning("%s", trouble)
         # pause as soon as anything is buffered, resume when everything reached the kernel:
         # the loop may hold references to payload memory until then
         transport.set_write_buffer_limits(high=0, low=0)
@@ -399,6 +451,7 @@ class TcpTransport(Transport):
         self._on_close: list[Callable[[], Any]] = []
         self.polls = True
         self.yields = not _cores_to_spare()
+        self._told_socket_trouble = False
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting peer connections; returns the bound (host, port)."""
