@@ -75,7 +75,6 @@ def check_peer_loss(mode: str) -> str:
     return mode
 
 HANDSHAKE_TIMEOUT = 5.0
-SOCKET_BUFFER_BYTES = 4 << 20
 #: payloads up to this size are copied behind their header and written in one call
 SMALL_WRITE_BYTES = 16 << 10
 #: A ``lone`` payload (see Transport.post) of at least WRITE_SPLIT_BYTES goes to the event
@@ -151,8 +150,10 @@ def _tune_socket(sock: socket.socket | None) -> str | None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        # socket buffers are left to the kernel, which grows them with the traffic (up to
+        # net.ipv4.tcp_wmem / tcp_rmem's maximum): fixing them at 4 MiB (which also turns
+        # the growth off) made a 64 MiB all_reduce over 2 ranks take 34-35 ms against
+        # 27.5 ms, a 64 MiB all_gather 21-26 ms against 16 ms
     algorithm = congestion_control(sock)
     if algorithm is not None and hasattr(socket, "TCP_CONGESTION"):
         try:
