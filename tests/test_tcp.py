@@ -688,6 +688,8 @@ class _FakeSocket:
     ("127.0.0.1", "127.0.0.1", None, "reno"),        # loopback: the local choice
     ("127.0.0.1", "127.0.0.9", "auto", "reno"),      # anywhere in 127.0.0.0/8
     ("::1", "::1", None, "reno"),
+    ("::ffff:127.0.0.2", "::ffff:127.0.0.1", None, "reno"),  # dual-stack loopback
+    ("::ffff:10.0.0.5", "::ffff:10.0.0.6", None, None),
     ("10.0.0.5", "10.0.0.5", None, "reno"),          # this host's own address
     ("10.0.0.5", "10.0.0.6", None, None),            # another host: the system's choice
     ("10.0.0.5", "10.0.0.6", "cubic", "cubic"),      # an explicit name: every connection

@@ -132,7 +132,10 @@ def congestion_control(sock: socket.socket, setting: str | None = None) -> str |
         return setting
     try:
         local, peer = sock.getsockname()[0], sock.getpeername()[0]
-        same_host = peer == local or ipaddress.ip_address(peer).is_loopback
+        address = ipaddress.ip_address(peer)
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # ::ffff:127.0.0.1, a dual-stack socket's loopback
+        same_host = peer == local or address.is_loopback
     except (OSError, ValueError, IndexError, TypeError):  # not an IP socket, or not connected
         return None
     return LOCAL_CONGESTION_CONTROL if same_host else None
