@@ -108,16 +108,14 @@ class Call:
                                       dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
         return self.ranks[peer], head, bytes_view(arr)
 
-    def post(self, peer: int, step: int, arr: np.ndarray, *, lone: bool = False
-             ) -> asyncio.Future[None] | None:
-        """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post
-        (``lone``: one-way traffic, the receiver waiting for it)."""
+    def post(self, peer: int, step: int, arr: np.ndarray) -> asyncio.Future[None] | None:
+        """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
         head = self.t.heads.data_head(_DATA, self.group, self.seq, step, 0, self.src,
                                       dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
-        return self.t.post(self.ranks[peer], head, bytes_view(arr), lone=lone)
+        return self.t.post(self.ranks[peer], head, bytes_view(arr))
 
-    async def send(self, peer: int, step: int, arr: np.ndarray, *, lone: bool = False) -> None:
-        pending = self.post(peer, step, arr, lone=lone)
+    async def send(self, peer: int, step: int, arr: np.ndarray) -> None:
+        pending = self.post(peer, step, arr)
         if pending is not None:
             await pending
             self.t.check_sendable()
@@ -528,7 +526,7 @@ async def binomial_broadcast(call: Call, root: int, flat: np.ndarray | None) -> 
     mask >>= 1
     while mask > 0:
         if vr + mask < w:
-            pending.append(call.post((vr + mask + root) % w, 0, flat, lone=True))
+            pending.append(call.post((vr + mask + root) % w, 0, flat))
         mask >>= 1
     await settle(pending)
     return flat
@@ -548,7 +546,7 @@ async def chain_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
         if vr:
             await posted[k].get()
         if vr < w - 1:
-            pending.append(call.post(nxt, k, part, lone=True))
+            pending.append(call.post(nxt, k, part))
     await settle(pending)
 
 
@@ -561,7 +559,7 @@ async def binomial_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp)
     mask = 1
     while mask < w:
         if vr & mask:
-            await call.send((vr - mask + root) % w, 0, work, lone=True)
+            await call.send((vr - mask + root) % w, 0, work)
             return
         if vr + mask < w:
             if scratch is None:
@@ -578,7 +576,7 @@ async def ring_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp) -> 
     bounds = row_bounds(flat.size, 1, w)
     mine = await ring_reduce_scatter(call, flat, bounds, op)
     if r != root:
-        await call.send(root, 1 << 30, mine, lone=True)
+        await call.send(root, 1 << 30, mine)
         return
     posted = [call.post_recv(j, 1 << 30, flat[bounds[j][0]:bounds[j][1]])
               for j in range(w) if j != root]

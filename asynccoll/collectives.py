@@ -456,7 +456,7 @@ class Communicator:
 
         async def body(call: Call) -> list[np.ndarray] | None:
             if call.rank != root:
-                await call.send(root, 0, a, lone=True)
+                await call.send(root, 0, a)
                 return None
             out = [a.copy() if j == root else np.empty_like(a) for j in range(call.size)]
             for rcv in [call.post_recv(j, 0, out[j]) for j in range(call.size) if j != root]:
@@ -479,7 +479,7 @@ class Communicator:
 
         async def body(call: Call) -> np.ndarray:
             if call.rank == root:
-                await settle([call.post(j, 0, items[j], lone=True)
+                await settle([call.post(j, 0, items[j])
                               for j in range(call.size) if j != root])
                 return items[root].copy()
             return await call.recv(root, 0)
@@ -537,7 +537,7 @@ class Communicator:
                                 dtype_code(a.dtype), a.shape, None, a.nbytes)
         try:
             async with asyncio.timeout(self.timeout):
-                await t.send(self._ranks[dst], head, bytes_view(a), lone=True)
+                await t.send(self._ranks[dst], head, bytes_view(a))
         except TimeoutError:
             err = CollectiveTimeout(f"send to group rank {dst} made no progress within "
                                     f"{self.timeout:g} s")

@@ -454,14 +454,9 @@ class Transport(abc.ABC):
     # -- to implement ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def post(self, dst: int, head: bytes, payload: memoryview | None, *, lone: bool = False
+    def post(self, dst: int, head: bytes, payload: memoryview | None
              ) -> asyncio.Future[None] | None:
         """Start sending one frame (``head`` = prefix + header from ``asynccoll.wire``).
-
-        ``lone``: a hint that the frame travels one way while its receiver waits for it
-        (a broadcast, a gather, a point-to-point send), not amid traffic in both directions
-        (a ring, an all_gather): a transport may then cut a large payload up so that the
-        receiver copies the first part out while the rest goes in (TCP does).
 
         Never blocks. Returns ``None`` when ``payload`` may be reused already, else a future
         that completes once it may (the caller must not touch ``payload`` before). Frames
@@ -517,10 +512,9 @@ class Transport(abc.ABC):
 
     # -- shared ---------------------------------------------------------------------------
 
-    async def send(self, dst: int, head: bytes, payload: memoryview | None, *,
-                   lone: bool = False) -> None:
+    async def send(self, dst: int, head: bytes, payload: memoryview | None) -> None:
         """``post``, then wait until ``payload`` may be reused."""
-        pending = self.post(dst, head, payload, lone=lone)
+        pending = self.post(dst, head, payload)
         if pending is not None:
             await pending
             self.check_sendable()

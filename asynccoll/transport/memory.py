@@ -164,7 +164,7 @@ class MemoryTransport(Transport):
             raise PeerLostError(f"world rank {dst} has closed its communicator", rank=dst)
         return peer
 
-    def post(self, dst: int, head: bytes, payload: memoryview | None, *, lone: bool = False
+    def post(self, dst: int, head: bytes, payload: memoryview | None
              ) -> asyncio.Future[None] | None:
         """Deliver at once: into the receive when it is posted (one copy, ``None`` returned);
         otherwise a large collective payload is lent until the receiver copies it (the

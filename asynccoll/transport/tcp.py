@@ -77,21 +77,6 @@ def check_peer_loss(mode: str) -> str:
 HANDSHAKE_TIMEOUT = 5.0
 #: payloads up to this size are copied behind their header and written in one call
 SMALL_WRITE_BYTES = 16 << 10
-#: A ``lone`` payload (see Transport.post) of at least WRITE_SPLIT_BYTES goes to the event
-#: loop as WRITE_SPLIT_BYTES in writes of WRITE_CHUNK_BYTES, then the rest in one write. Each
-#: chunk is its own send(), and the receiver copies one chunk out of the kernel while the
-#: next is copied in: a 1 MiB broadcast between two ranks took ~300 us as one send() here,
-#: ~155 us in chunks. Amid traffic both ways the pipeline is full anyway, and the extra
-#: writes only cost: the 1 MiB segments of a 16 MiB ring all_reduce over 2 ranks, cut up,
-#: took 7.2 ms against 6.4 ms whole (each send() pushes packets and wakes the peer). Only the
-#: head of a frame is cut up: a 32 MiB frame written entirely in chunks kept its rank in
-#: send() for 5 ms (the peer reading as fast as it wrote), while the peer's own data waited
-#: unread, and the two directions of an all_gather ran one after the other; as one write,
-#: what the socket does not take is queued and sent by the event loop between reads. With
-#: more ranks than cores (``yields``) the receiver is often not running to copy a chunk out,
-#: and the extra writes only cost (4 ranks on 2 cores: 64 MiB broadcast 66 ms split, 55 not).
-WRITE_CHUNK_BYTES = 256 << 10
-WRITE_SPLIT_BYTES = 1 << 20
 #: collective payloads of at least this size that arrive before their receive is posted
 #: are read into buffers of the transport's ScratchPool, reused once copied out (a fresh
 #: buffer per frame costs page faults: ~0.8 ms of a 16 MiB all_reduce over 2 ranks)
@@ -394,22 +379,20 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- writing --------------------------------------------------------------------------
 
-    def write(self, head: bytes, payload: memoryview | None, lone: bool = False) -> None:
+    def write(self, head: bytes, payload: memoryview | None) -> None:
+        """Queue one frame. A payload goes to the event loop whole, in one gather write with
+        its head: the kernel cuts it into packets as it copies, and the receiver copies the
+        first ones out while the rest go in. (Cutting a large payload into 256 KiB writes
+        was faster under bbr with fixed 4 MiB socket buffers; under reno with autotuned
+        buffers it only costs: a 1 MiB broadcast between 2 ranks took 248 us cut, 168 us
+        whole, a 64 MiB one 16.2 against 12.5 ms.)"""
         assert self.transport is not None
         if payload is None or not payload.nbytes:
             self.transport.write(head)
         elif payload.nbytes <= SMALL_WRITE_BYTES:  # one small copy beats a gather write
             self.transport.write(head + payload)
-        elif not lone or payload.nbytes < WRITE_SPLIT_BYTES or self.owner.yields:
+        else:
             self.transport.writelines([head, payload])
-        else:  # one write call per chunk at first: see WRITE_CHUNK_BYTES
-            write = self.transport.write
-            write(head)
-            n = payload.nbytes
-            for a in range(0, min(n, WRITE_SPLIT_BYTES), WRITE_CHUNK_BYTES):
-                write(payload[a:a + WRITE_CHUNK_BYTES])
-            if n > WRITE_SPLIT_BYTES:
-                write(payload[WRITE_SPLIT_BYTES:])
 
     def _close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -521,13 +504,13 @@ class TcpTransport(Transport):
         """Open the connection to ``dst`` now (ring neighbours do at start-up)."""
         await self._connection(dst)
 
-    def post(self, dst: int, head: bytes, payload: memoryview | None, *, lone: bool = False
+    def post(self, dst: int, head: bytes, payload: memoryview | None
              ) -> asyncio.Future[None] | None:
         self.check_sendable()
         self.bytes_sent += payload.nbytes if payload is not None else 0
         conn = self._out.get(dst)
         if conn is not None and not conn.closed:
-            conn.write(head, payload, lone)
+            conn.write(head, payload)
             return conn.drain_future() if conn._paused else None
         lost = self._unreachable(dst)
         if lost is not None:
