@@ -4,6 +4,7 @@
     python benchmarks/compare.py -n 2 --ops all_reduce --sizes 8,16M --json out.json
     python benchmarks/compare.py -n 2 --ops all_gather,broadcast --sizes 1M,64M --rounds 5
     python benchmarks/compare.py --rounds 3 --json out.json --plot busbw.png
+    python benchmarks/compare.py --rounds 5 --per-op          # noise spread op by op
 
 Each framework runs the same ops and sizes on this machine, one after the other (see
 ``benchmarks/workers.py`` for the timing method). Peers are optional: gloo needs
@@ -221,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the frameworks one after the other this many times, alternating, "
                         "and report each figure's median over the rounds (on a shared, noisy "
                         "machine this keeps a burst of load from landing on one framework only)")
+    p.add_argument("--per-op", action="store_true",
+                   help="launch every framework once per op (not once for all ops), "
+                        "alternating the frameworks op by op and rotating which goes first "
+                        "each round: a burst of load then spreads over the frameworks at the "
+                        "scale of one op, not of a whole run")
     a = p.parse_args(argv)
     if a.replot:
         if not a.plot:
@@ -228,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         plot(json.loads(Path(a.replot).read_text()), a.plot)
         return 0
     sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
-    args = ["--ops", a.ops, "--sizes", sizes]
     why = available()
     peers = []
     for peer in [x for x in a.peers.split(",") if x]:
@@ -236,16 +241,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# skipping {peer}: {why.get(peer, 'unknown peer')}")
         else:
             peers.append(peer)
+    benches = {"asynccoll": bench_asynccoll, "gloo": bench_gloo, "mpi": bench_mpi}
+    frameworks = ["asynccoll", *peers]
+    batches = a.ops.split(",") if a.per_op else [a.ops]
     rows: list[dict[str, Any]] = []
     for n in a.ranks:
-        for _ in range(a.rounds):
-            rows += bench_asynccoll(n, args, a.timeout)
-            if "gloo" in peers:
-                rows += bench_gloo(n, args, a.timeout)
-            if "mpi" in peers:
-                rows += bench_mpi(n, args, a.timeout)
+        for round_ in range(a.rounds):
+            for ops in batches:
+                args = ["--ops", ops, "--sizes", sizes]
+                first = round_ % len(frameworks) if a.per_op else 0
+                for fw in frameworks[first:] + frameworks[:first]:
+                    rows += benches[fw](n, args, a.timeout)
     rows = median_rows(rows)
     rounds = f", median of {a.rounds} alternating rounds" if a.rounds > 1 else ""
+    rounds += ", frameworks alternating op by op" if a.per_op else ""
     print(f"# {os.cpu_count()} CPUs, loopback TCP, float32, median per call, slowest rank{rounds}")
     print(table(rows, peers))
     if a.json:

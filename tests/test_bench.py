@@ -66,6 +66,23 @@ def test_compare_runs_asynccoll_alone(tmp_path: Path) -> None:
     assert _is_png(tmp_path / "again.png")
 
 
+@pytest.mark.timeout(120)
+def test_compare_per_op_rounds(tmp_path: Path) -> None:
+    """--per-op launches a framework once per op and round; a figure is the median over the
+    rounds (each row says how many it had)."""
+    out_json = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "-n", "2", "--peers", "",
+         "--ops", "barrier,all_reduce", "--sizes", "8", "--rounds", "2", "--per-op",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=110, env=_env(), check=True)
+    rows = json.loads(out_json.read_text())
+    assert sorted((r["op"], r["size"], r["rounds"]) for r in rows) == [
+        ("all_reduce", 8, 2), ("barrier", 0, 2)]
+    assert all(r["time_us"] > 0 for r in rows)
+    assert "frameworks alternating op by op" in proc.stdout
+
+
 def _is_png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == \
         b"\x89PNG\r\n\x1a\n"
