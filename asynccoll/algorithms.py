@@ -532,6 +532,59 @@ async def binomial_broadcast(call: Call, root: int, flat: np.ndarray | None) -> 
     return flat
 
 
+async def doubling_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
+    """Broadcast in place along recursive doubling's pairs: in round k, rank r and r ^ 2^k
+    swap one frame each, the root's data where one of them holds it already and an empty
+    token where neither does. Ranks beyond the largest power of two ``p`` fold onto r - p
+    first (sending the data, from a root among them) and get the result back last.
+
+    The data moves as in a binomial tree, but every rank sends and receives a frame in every
+    round, so each has (transitively) checked every rank's signature when it returns: like
+    all_reduce, it needs no agreement round beside it (a rooted collective otherwise runs a
+    dissemination barrier alongside its data). Pairs do not depend on the root, so ranks that
+    disagree about it still meet, and fail on the signature.
+    """
+    w, r = call.size, call.rank
+    p = 1 << (w.bit_length() - 1)  # largest power of two <= w
+    extra = w - p
+    rounds = p.bit_length() - 1
+
+    async def take(peer: int, step: int) -> None:  # the data, into flat
+        if flat.nbytes <= call.tuning.poll_max_bytes:
+            flat[...] = await call.payload_of(peer, step, flat)  # the lean polled path
+        else:
+            await call.recv(peer, step, flat)
+
+    if r >= p:  # folded: hand the data (or a token) to r - p, get the result back
+        first = call.post(r - p, 0, flat if r == root else _TOKEN)
+        if r == root:
+            await call.payload_of(r - p, rounds + 1, _TOKEN)
+        else:
+            await take(r - p, rounds + 1)
+        await settle([first])
+        return
+    holder = root if root < p else root - p  # who holds the data among the first p ranks
+    if r < extra:
+        if r + p == root:
+            await take(r + p, 0)
+        else:
+            await call.payload_of(r + p, 0, _TOKEN)
+    pending: list[asyncio.Future[None] | None] = []
+    for k in range(rounds):
+        partner, step = r ^ (1 << k), k + 1
+        if r >> (k + 1) != holder >> (k + 1):  # neither of us holds the data
+            await call.swap(partner, step, _TOKEN)
+        elif r >> k == holder >> k:  # I hold it: send it, the partner answers with a token
+            pending.append(call.post(partner, step, flat))
+            await call.payload_of(partner, step, _TOKEN)
+        else:
+            pending.append(call.post(partner, step, _TOKEN))
+            await take(partner, step)
+    if r < extra:
+        pending.append(call.post(r + p, rounds + 1, _TOKEN if r + p == root else flat))
+    await settle(pending)
+
+
 async def chain_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
     """Pipelined chain root -> root+1 -> ...: segment k is forwarded as soon as it arrives."""
     w, r = call.size, call.rank

@@ -29,6 +29,7 @@ from .algorithms import (
     direct_all_reduce,
     direct_reduce_scatter,
     dissemination_barrier,
+    doubling_broadcast,
     end_barrier,
     recursive_doubling,
     ring,
@@ -308,10 +309,13 @@ class Communicator:
             if algo == "chain":
                 await chain_broadcast(call, root, a.reshape(-1))
             else:
-                await binomial_broadcast(call, root, a.reshape(-1))
+                await doubling_broadcast(call, root, a.reshape(-1))
             return a
 
-        return await self._run(("broadcast", *_sig_array(a), root, algo), body, agree=True)
+        # the doubling broadcast is symmetric (every rank hears from every rank on the way):
+        # it needs no agreement round
+        return await self._run(("broadcast", *_sig_array(a), root, algo), body,
+                               agree=algo != "doubling")
 
     async def reduce(self, array: np.ndarray, root: int = 0, op: ReduceOp = ReduceOp.SUM
                      ) -> np.ndarray | None:

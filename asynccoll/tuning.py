@@ -18,8 +18,13 @@ class Tuning:
         small_bytes: at or below this, latency-optimal algorithms (recursive doubling
             all_reduce, binomial-tree reduce, direct all_gather / reduce_scatter); above it,
             bandwidth-optimal ring algorithms.
-        chain_broadcast_bytes: at or above this, broadcast pipelines segments along a chain
-            instead of a binomial tree.
+        chain_broadcast_bytes: at or above this, broadcast over 3 or more ranks pipelines
+            segments along a chain instead of recursive doubling's pairs (a binomial tree
+            whose idle pairs swap empty tokens, so that no separate agreement round is
+            needed). The tree sends a message log2(W) times in a row, the chain about one
+            message plus a segment per hop: on a network the chain wins from a few segments
+            per hop (a model of 4 ranks, 1 MiB segments: from 2 MiB). Two ranks always use
+            the tree (a chain of two is one hop).
         segment_bytes: segment size of the pipelined ring.
         chain_segment_bytes: segment size of the pipelined chain broadcast.
         direct_all_gather_ranks: up to this many ranks, all_gather sends every block straight
@@ -47,7 +52,7 @@ class Tuning:
     """
 
     small_bytes: int = 64 * 1024
-    chain_broadcast_bytes: int = 1 << 20
+    chain_broadcast_bytes: int = 4 << 20
     segment_bytes: int = 1 << 20
     chain_segment_bytes: int = 1 << 20
     direct_all_gather_ranks: int = 4
@@ -84,7 +89,10 @@ class Tuning:
         return "direct" if world_size <= self.direct_all_gather_ranks else "ring"
 
     def broadcast(self, nbytes: int, world_size: int) -> str:
-        return "chain" if nbytes >= self.chain_broadcast_bytes else "binomial"
+        # two ranks: a chain is one hop, and its segments and agreement round only cost
+        if world_size <= 2 or nbytes < self.chain_broadcast_bytes:
+            return "doubling"
+        return "chain"
 
 
 #: Always the latency-optimal algorithms (for tests).

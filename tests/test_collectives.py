@@ -2,7 +2,7 @@
 
 Parametrised over backends (``conftest.BACKENDS``), world sizes and algorithm presets
 (default thresholds, ``RING``: ring / chain with 64-byte segments, ``TREE``: recursive doubling
-/ binomial tree / direct), so each algorithm of a collective runs at every world size. Inputs
+/ doubling broadcast / direct), so each algorithm of a collective runs at every world size. Inputs
 are derived deterministically from (seed, rank); the expected value is computed here with NumPy
 over all ranks' inputs. Integer-valued floats keep reductions exact, whatever the order the
 algorithm combines in, so results are compared bit for bit.
@@ -303,6 +303,37 @@ async def test_broadcast_every_root(run, backend, tuning, world_size):
 
 
 # ------------------------------------------------------------------ reduce_scatter / gathers
+
+@pytest.mark.parametrize("world_size", [3, 5])
+async def test_broadcast_large_below_the_chain(run, backend, world_size):
+    """Default tuning: an array above the polled size and below the chain's threshold goes
+    along recursive doubling's pairs straight into the non-roots' arrays, from every root
+    (a root beyond the largest power of two folds its data onto a partner first)."""
+    n = 300_000  # 2.4 MB of float64
+
+    async def fn(comm: Communicator) -> None:
+        assert comm.tuning.broadcast(n * 8, comm.world_size) == "doubling"
+        for root in range(comm.world_size):
+            mine = np.full(n, comm.rank, np.float64)
+            mine[::7] = -comm.rank
+            await comm.broadcast(mine, root=root)
+            expected = np.full(n, root, np.float64)
+            expected[::7] = -root
+            assert_exact(mine, expected, f"broadcast root {root}")
+
+    await run(fn, world_size, backend)
+
+
+def test_broadcast_algorithm_choice():
+    t = Tuning()
+    assert t.broadcast(8, 4) == "doubling"
+    assert t.broadcast(t.chain_broadcast_bytes - 1, 4) == "doubling"
+    assert t.broadcast(t.chain_broadcast_bytes, 3) == "chain"
+    assert t.broadcast(64 << 20, 8) == "chain"
+    # two ranks: a chain would be one hop; the tree needs no agreement round beside it
+    assert t.broadcast(64 << 20, 2) == "doubling"
+    assert Tuning(chain_broadcast_bytes=0).broadcast(0, 3) == "chain"
+
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 async def test_reduce_scatter(run, backend, tuning, world_size):
