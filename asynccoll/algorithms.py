@@ -10,14 +10,20 @@ collective         small messages (latency)                    large messages (b
 all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather;
                                                                direct (each rank reduces its
                                                                block from all) in process
-reduce             binomial tree                               ring reduce-scatter + gather
+reduce             recursive doubling (every rank reduces)     ring reduce-scatter + gather
 reduce_scatter     direct (one round)                          ring
 all_gather         direct (one round, W <= 4 by default)       ring
-broadcast          binomial tree                               pipelined chain
+broadcast          recursive doubling's pairs (a binomial      pipelined chain (3+ ranks)
+                   tree; idle pairs swap empty tokens)
 gather / scatter   direct                                      direct
 all_to_all         pairwise exchange                           pairwise exchange
 barrier            dissemination                               -
+broadcast_object   binomial tree                               binomial tree
 =================  ==========================================  ===============================
+
+Symmetric algorithms (every rank's result depends on every rank's frames) check the
+collective's signature on the way; the others (chain broadcast, ring reduce, gather,
+scatter, broadcast_object) run an agreement round beside them (``Communicator._run``).
 
 Thresholds live in ``asynccoll.tuning``. Algorithms talk to peers only through
 ``Call`` (post, send, post_recv, recv, exchange, compute_and_post, and the lean receives of
@@ -601,26 +607,6 @@ async def chain_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
         if vr < w - 1:
             pending.append(call.post(nxt, k, part))
     await settle(pending)
-
-
-async def binomial_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:
-    """Binomial-tree reduce; only the root's ``flat`` is modified."""
-    w, r = call.size, call.rank
-    vr = (r - root) % w
-    work = flat
-    scratch: np.ndarray | None = None
-    mask = 1
-    while mask < w:
-        if vr & mask:
-            await call.send((vr - mask + root) % w, 0, work)
-            return
-        if vr + mask < w:
-            if scratch is None:
-                scratch = np.empty_like(flat)
-                if vr != 0:
-                    work = flat.copy()
-            combine(work, await call.recv((vr + mask + root) % w, 0, scratch), op)
-        mask <<= 1
 
 
 async def ring_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp) -> None:

@@ -22,7 +22,6 @@ from .algorithms import (
     Call,
     begin_barrier,
     binomial_broadcast,
-    binomial_reduce,
     bytes_view,
     chain_broadcast,
     direct_all_gather,
@@ -332,14 +331,18 @@ class Communicator:
             flat = a.reshape(-1)
             if algo == "ring" and call.size > 1:
                 await ring_reduce(call, root, flat, op)
-            else:
-                await binomial_reduce(call, root, flat, op)
+            elif call.size > 1:
+                # small: every rank reduces (recursive doubling; non-roots on a copy), which
+                # takes as many rounds as a binomial tree and, being symmetric, needs no
+                # agreement round beside it
+                await recursive_doubling(call, flat if call.rank == root else flat.copy(), op)
             if call.rank != root:
                 return None
             finish(a, op, call.size)
             return a
 
-        return await self._run(("reduce", *_sig_array(a), op._value_, root, algo), body, agree=True)
+        return await self._run(("reduce", *_sig_array(a), op._value_, root, algo), body,
+                               agree=algo != "doubling")
 
     async def all_reduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
         """Reduce ``array`` over all ranks, in place on every rank; returns ``array``.

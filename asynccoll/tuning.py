@@ -16,8 +16,8 @@ class Tuning:
 
     Attributes:
         small_bytes: at or below this, latency-optimal algorithms (recursive doubling
-            all_reduce, binomial-tree reduce, direct all_gather / reduce_scatter); above it,
-            bandwidth-optimal ring algorithms.
+            all_reduce and reduce, direct reduce_scatter); above it, bandwidth-optimal ring
+            algorithms.
         chain_broadcast_bytes: at or above this, broadcast over 3 or more ranks pipelines
             segments along a chain instead of recursive doubling's pairs (a binomial tree
             whose idle pairs swap empty tokens, so that no separate agreement round is
@@ -80,7 +80,7 @@ class Tuning:
         return "direct" if mode == "always" or (mode == "lending" and lends) else "ring"
 
     def reduce(self, nbytes: int, world_size: int) -> str:
-        return "binomial" if nbytes <= self.small_bytes else "ring"
+        return "doubling" if nbytes <= self.small_bytes else "ring"
 
     def reduce_scatter(self, nbytes: int, world_size: int) -> str:
         return "direct" if nbytes <= self.small_bytes else "ring"
