@@ -156,7 +156,8 @@ class Call:
 
     async def payload_of(self, peer: int, step: int, like: np.ndarray) -> np.ndarray:
         """The array of ``step`` from group rank ``peer``, of ``like``'s dtype and shape (a
-        new array), received without posting a receive: the lean path of small collectives.
+        new array; ``like`` itself when it has no bytes), received without posting a receive:
+        the lean path of small collectives.
 
         On a polling transport it reads the peer's socket directly, expecting the frame's
         exact head (``Transport.poll_payload``) and giving the event loop a turn between
@@ -184,8 +185,8 @@ class Call:
         if memoryview(payload).nbytes != like.nbytes:
             raise CollectiveError(f"group rank {peer} sent {memoryview(payload).nbytes} bytes "
                                   f"where {like.nbytes} were expected")
-        if not like.nbytes:
-            return np.empty(like.shape, like.dtype)
+        if not like.nbytes:  # nothing to read (barrier tokens): no new array either
+            return like
         return np.frombuffer(payload, like.dtype).reshape(like.shape)
 
     async def swap(self, peer: int, step: int, arr: np.ndarray) -> np.ndarray:
