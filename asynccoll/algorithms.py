@@ -371,7 +371,7 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
     width = max(stop - start for start, stop in bounds)
-    seg = max(1, call.tuning.segment_bytes // max(1, flat.itemsize))
+    seg = max(1, call.tuning.ring_segment(width * flat.itemsize) // max(1, flat.itemsize))
     nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
     total = reduce_steps + gather_steps
     # in place, the scratch is only needed during the call: it comes from the transport's

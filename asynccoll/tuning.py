@@ -25,7 +25,13 @@ class Tuning:
             message plus a segment per hop: on a network the chain wins from a few segments
             per hop (a model of 4 ranks, 1 MiB segments: from 2 MiB). Two ranks always use
             the tree (a chain of two is one hop).
-        segment_bytes: segment size of the pipelined ring.
+        segment_bytes: largest segment of the pipelined ring. A ring step's block is cut into
+            ``ring_segments`` segments, each at least ``min_segment_bytes`` and at most
+            ``segment_bytes``: each segment costs a frame and a turn of the algorithm, and
+            smaller ones overlap more of the reduction with the transfer.
+        min_segment_bytes: smallest segment of the pipelined ring (unless ``segment_bytes``
+            is smaller).
+        ring_segments: segments a ring step's block is cut into, within the bounds above.
         chain_segment_bytes: segment size of the pipelined chain broadcast.
         direct_all_gather_ranks: up to this many ranks, all_gather sends every block straight
             to every rank (one round); beyond, it uses the ring. All_gather decides by world
@@ -53,7 +59,9 @@ class Tuning:
 
     small_bytes: int = 64 * 1024
     chain_broadcast_bytes: int = 4 << 20
-    segment_bytes: int = 1 << 20
+    segment_bytes: int = 4 << 20
+    min_segment_bytes: int = 1 << 20
+    ring_segments: int = 4
     chain_segment_bytes: int = 1 << 20
     direct_all_gather_ranks: int = 4
     poll_us: int = 200
@@ -64,7 +72,8 @@ class Tuning:
     offload_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("segment_bytes", "chain_segment_bytes", "direct_segment_bytes",
+        for name in ("segment_bytes", "min_segment_bytes", "ring_segments",
+                     "chain_segment_bytes", "direct_segment_bytes",
                      "reduce_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -78,6 +87,11 @@ class Tuning:
             return "recursive_doubling"
         mode = self.direct_all_reduce
         return "direct" if mode == "always" or (mode == "lending" and lends) else "ring"
+
+    def ring_segment(self, block_bytes: int) -> int:
+        """Bytes per segment of a ring step whose blocks have ``block_bytes``."""
+        per = -(-block_bytes // self.ring_segments)
+        return max(1, min(self.segment_bytes, max(self.min_segment_bytes, per)))
 
     def reduce(self, nbytes: int, world_size: int) -> str:
         return "doubling" if nbytes <= self.small_bytes else "ring"

@@ -335,6 +335,21 @@ def test_broadcast_algorithm_choice():
     assert Tuning(chain_broadcast_bytes=0).broadcast(0, 3) == "chain"
 
 
+def test_ring_segment_sizes():
+    """A ring step's block is cut into ring_segments segments, within [min_segment_bytes,
+    segment_bytes]; a segment_bytes below the minimum wins (the RING test preset)."""
+    t = Tuning()
+    mib = 1 << 20
+    assert t.ring_segment(256 << 10) == mib  # small blocks: one segment of the minimum
+    assert t.ring_segment(4 * mib) == mib
+    assert t.ring_segment(8 * mib) == 2 * mib
+    assert t.ring_segment(16 * mib) == 4 * mib
+    assert t.ring_segment(64 * mib) == 4 * mib  # capped at segment_bytes
+    assert Tuning(segment_bytes=64).ring_segment(64 * mib) == 64
+    with pytest.raises(ValueError, match="ring_segments"):
+        Tuning(ring_segments=0)
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 async def test_reduce_scatter(run, backend, tuning, world_size):
     w = world_size
