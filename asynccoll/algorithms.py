@@ -507,13 +507,20 @@ async def direct_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarr
     peers = [j for j in range(w) if j != r]
     posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
     pending = [call.post(j, 0, mine) for j in peers]
-    await copy_polling(call, blocks[r], mine)  # while the others' blocks travel
+    # a large own block is copied while the others' travel (copy_polling: a chunk at a time,
+    # the sockets served in between); a small one after them, so that the peers' data is
+    # read, and their sends freed, first (1 MiB over 2 ranks: 156-158 against 167-195 us)
+    early = mine.nbytes > COPY_CHUNK_BYTES
+    if early:
+        await copy_polling(call, blocks[r], mine)
     even = True
     for j, rcv in zip(peers, posted, strict=True):
         got = await rcv.get(resize=True)
         if got is not blocks[j]:
             blocks[j] = got
             even = False
+    if not early:
+        await copy_polling(call, blocks[r], mine)
     await settle(pending)
     return even
 
