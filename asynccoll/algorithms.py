@@ -305,12 +305,18 @@ class Recv:
 
 # ------------------------------------------------------------------------------ algorithms
 
+def power_of_two_fold(w: int) -> tuple[int, int, int]:
+    """``(p, extra, rounds)`` of recursive doubling over ``w`` ranks: ``p`` the largest power
+    of two <= ``w``, ``extra = w - p`` ranks folded onto ranks ``0..extra-1`` (rank
+    ``p + i`` onto ``i``), ``rounds = log2(p)`` pairwise rounds among the first ``p``."""
+    p = 1 << (w.bit_length() - 1)
+    return p, w - p, p.bit_length() - 1
+
+
 async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     """All-reduce in place in ceil(log2 W) (+2) rounds; every rank ends bit-identical."""
     w, r = call.size, call.rank
-    p = 1 << (w.bit_length() - 1)  # largest power of two <= w
-    extra = w - p
-    rounds = p.bit_length() - 1
+    p, extra, rounds = power_of_two_fold(w)
     if r >= p:  # fold: hand my data to a partner, get the result back
         pending = call.post(r - p, 0, flat)
         await call.recv(r - p, rounds + 1, flat)
@@ -559,9 +565,7 @@ async def doubling_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
     disagree about it still meet, and fail on the signature.
     """
     w, r = call.size, call.rank
-    p = 1 << (w.bit_length() - 1)  # largest power of two <= w
-    extra = w - p
-    rounds = p.bit_length() - 1
+    p, extra, rounds = power_of_two_fold(w)
 
     async def take(peer: int, step: int) -> None:  # the data, into flat
         if flat.nbytes <= call.tuning.poll_max_bytes:

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from ..algorithms import power_of_two_fold
 from ..collectives import Communicator
 from ..errors import CollectiveError
 from ..ops import ReduceOp
@@ -72,11 +73,10 @@ def _all_reduce_wire_bytes(comm: Communicator, n: int, itemsize: int) -> int:
         return 0
     nbytes = n * itemsize
     if comm.tuning.all_reduce(nbytes, w) == "recursive_doubling":
-        p = 1 << (w.bit_length() - 1)
+        p, extra, rounds = power_of_two_fold(w)
         if r >= p:
             return nbytes
-        rounds = p.bit_length() - 1
-        return nbytes * (rounds + (1 if r < w - p else 0))
+        return nbytes * (rounds + (1 if r < extra else 0))
     base, extra = divmod(n, w)  # blocks as numpy.array_split cuts them
     sizes = [base + (1 if j < extra else 0) for j in range(w)]
     return (2 * n - sizes[r] - sizes[(r + 1) % w]) * itemsize
