@@ -21,3 +21,15 @@ async def close_server(server: asyncio.Server) -> None:
         for _ in range(3):
             await asyncio.sleep(0)
     server.close()
+
+
+#: seconds ``wait_server_closed`` waits for a closed server's connections to go
+SERVER_CLOSE_TIMEOUT = 1.0
+
+
+async def wait_server_closed(server: asyncio.Server) -> None:
+    """``server.wait_closed()``, bounded by ``SERVER_CLOSE_TIMEOUT``: uvloop's (like CPython
+    3.12's) returns only once every connection the server accepted is closed, which a slow
+    or stuck peer would otherwise hold up for ever."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(server.wait_closed(), SERVER_CLOSE_TIMEOUT)

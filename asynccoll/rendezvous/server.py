@@ -8,7 +8,7 @@ import operator
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._aio import close_server
+from .._aio import close_server, wait_server_closed
 from ..errors import ProtocolError
 from ..handshake import read_frame, server_handshake, write_frame
 from ..wire import Frame, FrameHeader, FrameKind
@@ -207,7 +207,7 @@ class RendezvousServer:
             self._supervisor.cancel()
             await asyncio.wait({self._supervisor})
         if self._server is not None:
-            await self._server.wait_closed()
+            await wait_server_closed(self._server)
         for _ in range(3):  # let connections aborted in _on_connect close their sockets
             await asyncio.sleep(0)
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .._aio import close_server
+from .._aio import close_server, wait_server_closed
 from ..collectives import Communicator
 from ..errors import (
     AuthenticationError,
@@ -680,7 +680,7 @@ class TcpTransport(Transport):
             await asyncio.sleep(0)
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                await wait_server_closed(self._server)
         await asyncio.gather(*self._background, return_exceptions=True)
         for callback in self._on_close:
             with contextlib.suppress(Exception):
