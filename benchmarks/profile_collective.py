@@ -2,10 +2,12 @@
 
     asynccoll run -n 2 benchmarks/profile_collective.py all_reduce 8 --iters 3000
     asynccoll run -n 2 benchmarks/profile_collective.py all_reduce 16M --iters 20 --profile
+    asynccoll run -n 4 benchmarks/profile_collective.py all_reduce 8 --profile --sort ncalls
     asynccoll run -n 2 benchmarks/profile_collective.py barrier 0 --no-poll
 
-Rank 0 prints the mean time per call and, with ``--profile``, the top of a cProfile of the timed
-loop. ``--no-poll`` sets ``Tuning(poll_us=0)`` (the profile then shows work, not polling).
+Rank 0 prints the mean time per call and, with ``--profile``, the top ``--top`` rows (in
+``--sort`` order) of a cProfile of the timed loop. ``--no-poll`` sets ``Tuning(poll_us=0)``
+(the profile then shows work, not polling).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ async def main() -> None:
     p.add_argument("nbytes", type=size)
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--sort", default="tottime",
+                   help="the profile's order (a pstats key: tottime, cumtime, ncalls, ...)")
+    p.add_argument("--top", type=int, default=20, help="the profile's number of rows")
     p.add_argument("--no-poll", action="store_true")
     p.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
                    help="a Tuning field to set (repeatable), e.g. segment_bytes=256K")
@@ -88,7 +93,7 @@ async def main() -> None:
     calls.sort()
     if prof:
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     if comm.rank == 0 or args.all_ranks:
         print(f"{args.op} {args.nbytes} B x {comm.world_size} ranks: {dt * 1e6:.1f} us per call "
               f"(median {calls[len(calls) // 2] * 1e6:.1f} us, CPU {cpu * 1e6:.1f} us)")

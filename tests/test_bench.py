@@ -104,6 +104,9 @@ def test_bench_plot(tmp_path: Path) -> None:
                                "poll_us=100"], r"all_reduce 8 B x 2 ranks: .* CPU [\d.]+ us"),
     ("profile_collective.py", ["barrier", "0", "--iters", "50", "--pin", "spread"],
      r"barrier 0 B x 2 ranks"),
+    ("profile_collective.py", ["all_reduce", "8", "--iters", "50", "--profile", "--sort",
+                               "ncalls", "--top", "5"],
+     r"Ordered by: call count"),
     ("timeline.py", ["--iters", "200"], r"rank \d, \d+ calls polled .* total [\d.]+"),
 ])
 def test_profiling_scripts_run(script: str, args: list[str], expect: str) -> None:
