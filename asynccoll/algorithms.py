@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CollectiveError
-from .ops import ReduceOp, combine, combine_ordered
+from .ops import ReduceOp, combine, ufunc
 from .transport.base import (
     Key,
     Transport,
@@ -166,38 +166,76 @@ class Call:
         """
         t = self.t
         src = self.ranks[peer]
-        key = (src, _DATA, self.group, self.seq, step, 0)
-        sig, poll = self.sig, self.poll
-        payload = None
-        if poll:
+        nbytes = like.nbytes
+        expect = None
+        if self.poll:
             expect = t.heads.data_head(_DATA, self.group, self.seq, step, 0, src,
-                                       dtype_code(like.dtype), like.shape, sig, like.nbytes)
-            payload = t.poll_payload(key, sig, POLL_READS, expect, like.nbytes)
-            if payload is None:
-                deadline = time.perf_counter() + poll
-                while payload is None and time.perf_counter() < deadline:
-                    await asyncio.sleep(0)
-                    payload = t.poll_payload(key, sig, POLL_READS, expect, like.nbytes)
-        else:
-            payload = t.poll_payload(key, sig, 0, None, like.nbytes)
+                                       dtype_code(like.dtype), like.shape, self.sig, nbytes)
+        payload = t.poll_payload((src, _DATA, self.group, self.seq, step, 0), self.sig,
+                                 POLL_READS if expect is not None else 0, expect, nbytes)
         if payload is None:
-            payload = checked_payload(await t.post_recv(key, None, sig), sig)
-        if memoryview(payload).nbytes != like.nbytes:
-            raise CollectiveError(f"group rank {peer} sent {memoryview(payload).nbytes} bytes "
-                                  f"where {like.nbytes} were expected")
-        if not like.nbytes:  # nothing to read (barrier tokens): no new array either
-            return like
-        return np.frombuffer(payload, like.dtype).reshape(like.shape)
+            return await self._waited(src, step, like, expect)
+        return self._as_array(src, payload, like)
 
     async def swap(self, peer: int, step: int, arr: np.ndarray) -> np.ndarray:
         """Send ``arr`` to group rank ``peer`` and receive its array of ``step`` (of
-        ``arr``'s dtype and shape) in exchange, the lean way (``payload_of``): a new array."""
-        pending = self.post(peer, step, arr)
-        got = await self.payload_of(peer, step, arr)
+        ``arr``'s dtype and shape) in exchange, the lean way (``payload_of``): a new array.
+
+        The small collectives' inner loop, with ``post`` and ``payload_of`` written out:
+        with more ranks than cores, ranks sharing a core evict each other's caches, and
+        every function call on this path costs several times what it costs alone."""
+        t = self.t
+        src = self.ranks[peer]
+        code, shape, nbytes, sig = dtype_code(arr.dtype), arr.shape, arr.nbytes, self.sig
+        data_head = t.heads.data_head
+        pending = t.post(src, data_head(_DATA, self.group, self.seq, step, 0, self.src, code,
+                                        shape, sig, nbytes),
+                         memoryview(arr).cast("B") if arr.size  # type: ignore[arg-type]
+                         else bytes_view(arr))
+        expect = None
+        if self.poll:
+            expect = data_head(_DATA, self.group, self.seq, step, 0, src, code, shape, sig,
+                               nbytes)
+        payload = t.poll_payload((src, _DATA, self.group, self.seq, step, 0), sig,
+                                 POLL_READS if expect is not None else 0, expect, nbytes)
+        if payload is None:
+            got = await self._waited(src, step, arr, expect)
+        else:
+            got = self._as_array(src, payload, arr)
         if pending is not None:
             await pending
-            self.t.check_sendable()
+            t.check_sendable()
         return got
+
+    async def _waited(self, src: int, step: int, like: np.ndarray, expect: bytes | None
+                      ) -> np.ndarray:
+        """The rest of ``payload_of`` when its first burst of reads found nothing: more
+        bursts, each after a turn of the event loop, for up to ``Tuning.poll_us``, then a
+        posted receive."""
+        t = self.t
+        key = (src, _DATA, self.group, self.seq, step, 0)
+        sig, nbytes = self.sig, like.nbytes
+        payload = None
+        if expect is not None:
+            deadline = time.perf_counter() + self.poll
+            while payload is None and time.perf_counter() < deadline:
+                await asyncio.sleep(0)
+                payload = t.poll_payload(key, sig, POLL_READS, expect, nbytes)
+        if payload is None:
+            payload = checked_payload(await t.post_recv(key, None, sig), sig)
+        return self._as_array(src, payload, like)
+
+    def _as_array(self, src: int, payload: Any, like: np.ndarray) -> np.ndarray:
+        """``payload`` as an array like ``like`` (checking its size)."""
+        nbytes = like.nbytes
+        if memoryview(payload).nbytes != nbytes:
+            raise CollectiveError(f"group rank {self.ranks.index(src)} sent "
+                                  f"{memoryview(payload).nbytes} bytes where {nbytes} were "
+                                  f"expected")
+        if not nbytes:  # nothing to read (barrier tokens): no new array either
+            return like
+        got = np.frombuffer(payload, like.dtype)
+        return got if like.ndim == 1 else got.reshape(like.shape)
 
     def reducer(self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp
                 ) -> Callable[[int, int], None]:
@@ -324,13 +362,16 @@ async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None
         return
     if r < extra:
         combine(flat, await call.payload_of(r + p, 0, flat), op)
+    apply = ufunc(op)
     for k in range(rounds):
         partner = r ^ (1 << k)
         got = await call.swap(partner, k + 1, flat)
-        if r < partner:  # the lower rank's operand on the left on both ranks: identical bits
-            combine_ordered(flat, flat, got, op)
+        # the lower rank's operand on the left on both ranks: identical bits (as
+        # ops.combine_ordered, with the ufunc looked up once)
+        if r < partner:
+            apply(flat, got, out=flat)
         else:
-            combine_ordered(flat, got, flat, op)
+            apply(got, flat, out=flat)
     if r < extra:
         await call.send(r + p, rounds + 1, flat)
 

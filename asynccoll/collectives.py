@@ -47,6 +47,8 @@ from .wire import FrameKind, array_view, dtype_code, encode_data_head
 T = TypeVar("T")
 
 _MAX_TAG = (1 << 63) - 1
+#: distinct (collective, dtype, shape, op) plans a communicator keeps (see Communicator._plans)
+_MAX_PLANS = 256
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -184,7 +186,7 @@ class Communicator:
         self._owns_transport = owns_transport
         self.timeout = float(timeout)
         self._watchdog = _Watchdog()
-        self.tuning = tuning if tuning is not None else Tuning()
+        self.tuning = tuning if tuning is not None else Tuning()  # also starts self._plans
         self.backend = backend
 
     # -- properties -----------------------------------------------------------------------
@@ -198,6 +200,19 @@ class Communicator:
     def world_size(self) -> int:
         """Number of ranks in the group."""
         return len(self._ranks)
+
+    @property
+    def tuning(self) -> Tuning:
+        """Algorithm thresholds (``Tuning``); equal on all ranks."""
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, value: Tuning) -> None:
+        self._tuning = value
+        # what a collective works out from its arguments before it runs (signature,
+        # algorithm), kept per kind of call (``_plan``): small collectives repeat the same
+        # call, and working it out is a good part of their cost. It depends on the tuning
+        self._plans: dict[tuple[Any, ...], tuple[tuple[Any, ...], str]] = {}
 
     @property
     def transport(self) -> Transport:
@@ -216,6 +231,11 @@ class Communicator:
         if not 0 <= value < self.world_size:
             raise ValueError(f"{what}={value} is out of range for world_size {self.world_size}")
         return int(value)
+
+    def _plan(self, key: tuple[Any, ...], plan: tuple[tuple[Any, ...], str]) -> None:
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
 
     def _check_open(self) -> None:
         if self._closed:
@@ -240,12 +260,11 @@ class Communicator:
             # a failure in a later collective lets this one finish if every rank got past it
             t.check_usable(self._group, seq)
         self._seq += 1
-        call = Call(t, self._ranks, self._group, self._rank, seq, sig, self.tuning)
+        call = Call(t, self._ranks, self._group, self._rank, seq, sig, self._tuning)
         size = call.size
         if size == 1:
             return await body(call)
         t.mailbox.begin(self._group, seq, sig)
-        scope = (self._group, seq)
         watchdog = self._watchdog
         task = watchdog.current_task()
         watchdog.watch(task, self.timeout)
@@ -275,17 +294,17 @@ class Communicator:
             if watchdog.expired(task):
                 err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made "
                                         f"no progress within {self.timeout:g} s")
-                t.abort(err, scope=scope)
+                t.abort(err, scope=(self._group, seq))
                 raise err from None
             t.abort(CollectiveError(f"{describe_sig(sig)} was cancelled on group rank "
-                                    f"{self._rank}"), scope=scope)
+                                    f"{self._rank}"), scope=(self._group, seq))
             raise
         except CollectiveError as exc:
-            t.abort(exc, scope=scope)
+            t.abort(exc, scope=(self._group, seq))
             raise
         except Exception as exc:
             t.abort(CollectiveError(f"{describe_sig(sig)} failed on group rank {self._rank}: "
-                                    f"{exc!r}"), scope=scope)
+                                    f"{exc!r}"), scope=(self._group, seq))
             raise
         finally:
             watchdog.unwatch(task)
@@ -302,7 +321,7 @@ class Communicator:
         """
         a = _check_array(array, writable=True)
         root = self._check_rank(root, "root")
-        algo = self.tuning.broadcast(a.nbytes, self.world_size)
+        algo = self._tuning.broadcast(a.nbytes, self.world_size)
 
         async def body(call: Call) -> np.ndarray:
             if algo == "chain":
@@ -325,7 +344,7 @@ class Communicator:
         a = _check_array(array, writable=self._rank == root)
         root = self._check_rank(root, "root")
         op = check_op(op, a.dtype)
-        algo = self.tuning.reduce(a.nbytes, self.world_size)
+        algo = self._tuning.reduce(a.nbytes, self.world_size)
 
         async def body(call: Call) -> np.ndarray | None:
             flat = a.reshape(-1)
@@ -355,12 +374,30 @@ class Communicator:
                 (PeerLostError) or no progress was made (CollectiveTimeout). ``array`` then
                 holds undefined values.
         """
-        a = _check_array(array, writable=True)
-        op = check_op(op, a.dtype)
-        algo = self.tuning.all_reduce(a.nbytes, self.world_size, lends=self._transport.lends)
+        # a call like an earlier one skips the checks that depend only on dtype, shape and op
+        key = None
+        plan = None
+        if array.__class__ is np.ndarray and op.__class__ is ReduceOp:
+            key = ("all_reduce", array.dtype, array.shape, op)
+            plan = self._plans.get(key)
+            if plan is not None:
+                flags = array.flags
+                if not (flags.c_contiguous and flags.writeable):
+                    plan = None
+        if plan is None:
+            a = _check_array(array, writable=True)
+            op = check_op(op, a.dtype)
+            algo = self._tuning.all_reduce(a.nbytes, self.world_size,
+                                           lends=self._transport.lends)
+            plan = (("all_reduce", *_sig_array(a), op._value_, algo), algo)
+            if key is not None:
+                self._plan(key, plan)
+        else:
+            a = array
+        sig, algo = plan
 
         async def body(call: Call) -> np.ndarray:
-            flat = a.reshape(-1)
+            flat = a if a.ndim == 1 else a.reshape(-1)
             if call.size > 1:
                 if algo == "direct":
                     await direct_all_reduce(call, flat, op)
@@ -372,7 +409,7 @@ class Communicator:
             finish(a, op, call.size)
             return a
 
-        return await self._run(("all_reduce", *_sig_array(a), op._value_, algo), body)
+        return await self._run(sig, body)
 
     async def reduce_scatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
         """Reduce ``array`` over all ranks and return this rank's block of the result.
@@ -384,7 +421,7 @@ class Communicator:
         if a.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         op = check_op(op, a.dtype)
-        algo = self.tuning.reduce_scatter(a.nbytes, self.world_size)
+        algo = self._tuning.reduce_scatter(a.nbytes, self.world_size)
         row = math.prod(a.shape[1:])
 
         async def body(call: Call) -> np.ndarray:
@@ -443,7 +480,7 @@ class Communicator:
             if out.dtype != a.dtype or out.shape[1:] != a.shape[1:]:
                 raise ValueError(f"out must have dtype {a.dtype} and shape (rows, "
                                  f"*{a.shape[1:]}), got {out.dtype} {out.shape}")
-        algo = self.tuning.all_gather(self.world_size)
+        algo = self._tuning.all_gather(self.world_size)
         dtype, shape = _sig_array(a)
 
         async def body(call: Call) -> np.ndarray:
@@ -608,7 +645,7 @@ class Communicator:
     async def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (msgpack-serialisable)."""
         data = _pack_object(obj)
-        algo = self.tuning.all_gather(self.world_size)
+        algo = self._tuning.all_gather(self.world_size)
 
         async def body(call: Call) -> list[Any]:
             got = await self._gather_blocks(call, data, algo)
@@ -634,7 +671,7 @@ class Communicator:
         digest = np.frombuffer(hashlib.sha256(msgpack.packb(members)).digest(), np.uint8)
         child = self._children
         self._children += 1
-        algo = self.tuning.all_gather(self.world_size)
+        algo = self._tuning.all_gather(self.world_size)
 
         async def body(call: Call) -> np.ndarray | list[np.ndarray]:
             return await self._gather_blocks(call, digest, algo)
@@ -648,7 +685,7 @@ class Communicator:
         if self._rank not in members:
             return None
         return Communicator(self._transport, ranks=[self._ranks[m] for m in members], group=gid,
-                            timeout=self.timeout, tuning=self.tuning, backend=self.backend,
+                            timeout=self.timeout, tuning=self._tuning, backend=self.backend,
                             owns_transport=False)
 
     async def close(self) -> None:

@@ -3,12 +3,12 @@
     python -m asynccoll run -n 2 benchmarks/timeline.py              # 8-byte all_reduce
     python -m asynccoll run -n 2 benchmarks/timeline.py --nbytes 64 --iters 20000
 
-Each rank wraps internals of the TCP transport with timestamps (the socket write, the first
-direct read of the lean receive, the frame's arrival: taken as predicted, or delivered to the
-mailbox) and prints the
-median of every phase of a call: before the write, the write, to the first poll, to the
-delivery, to the return. The wrappers add about a microsecond to each phase; compare the
-phases with each other, and totals with `profile_collective.py`.
+Each rank wraps internals of the TCP transport with timestamps (the post with its socket write,
+the first direct read of the lean receive, the frame's arrival: taken as predicted, or
+delivered to the mailbox) and prints the median of every phase of a call: before the write,
+the write, to the first poll, to the delivery, to the return. The wrappers add about a
+microsecond to each phase; compare the phases with each other, and totals with
+`profile_collective.py`.
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ import asynccoll
 from asynccoll import wire
 from asynccoll.transport import base, tcp
 
-PHASES = ("before the write", "write()", "to the first poll", "to the delivery", "to the return",
+PHASES = ("before the write", "post()", "to the first poll", "to the delivery", "to the return",
           "total")
 
 
 def instrument(stamps: dict[str, float]) -> None:
     clock = time.perf_counter
-    write, poll = tcp._Connection.write, tcp.TcpTransport.poll_payload
+    post, poll = tcp.TcpTransport.post, tcp.TcpTransport.poll_payload
     take, deliver = wire.BufferedFrameReader.take_staged, base.Mailbox.deliver
 
-    def timed_write(self: Any, head: bytes, payload: Any, *args: Any) -> None:
+    def timed_post(self: Any, dst: int, head: bytes, payload: Any) -> Any:
         stamps.setdefault("w0", clock())
-        write(self, head, payload, *args)
+        pending = post(self, dst, head, payload)
         stamps.setdefault("w1", clock())
+        return pending
 
     def timed_poll(self: Any, *args: Any) -> Any:
         stamps.setdefault("p", clock())
@@ -53,7 +54,7 @@ def instrument(stamps: dict[str, float]) -> None:
         stamps.setdefault("d", clock())
         deliver(self, key, frame)
 
-    tcp._Connection.write = timed_write  # type: ignore[method-assign]
+    tcp.TcpTransport.post = timed_post  # type: ignore[method-assign]
     tcp.TcpTransport.poll_payload = timed_poll  # type: ignore[method-assign]
     wire.BufferedFrameReader.take_staged = timed_take  # type: ignore[method-assign]
     base.Mailbox.deliver = timed_deliver  # type: ignore[method-assign]
