@@ -254,6 +254,49 @@ async def test_frames_of_several_mib(run, backend, world_size):
     await run(fn, world_size, backend, tuning=tuning)
 
 
+async def test_all_reduce_plans_recheck_every_call(run, backend):
+    """A call like an earlier one reuses its plan (signature, algorithm) but still checks
+    what can change between calls: the array's layout and writability, the op's fitness,
+    and a tuning set in between (which may change the algorithm)."""
+    async def fn(comm: Communicator) -> None:
+        w = comm.world_size
+        a = np.ones(6, np.float32)
+        assert_exact(await comm.all_reduce(a), np.full(6, w, np.float32))  # plan made
+        ro = np.ones(6, np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            await comm.all_reduce(ro)
+        strided = np.ones(12, np.float32)[::2]
+        with pytest.raises(TypeError, match="C-contiguous"):
+            await comm.all_reduce(strided)
+        with pytest.raises(TypeError, match="op must be"):
+            await comm.all_reduce(a, "sum")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="BAND needs an integer"):
+            await comm.all_reduce(a, ReduceOp.BAND)
+        # the same dtype and shape after a tuning that sends 24 bytes through the ring
+        comm.tuning = Tuning(small_bytes=0, segment_bytes=8, min_segment_bytes=8)
+        b = np.arange(6, dtype=np.float32) + comm.rank
+        assert_exact(await comm.all_reduce(b), np.arange(6, dtype=np.float32) * w
+                     + sum(range(w)))
+        comm.tuning = Tuning()
+        c = np.full(6, 2, np.float32)
+        assert_exact(await comm.all_reduce(c, ReduceOp.PROD), np.full(6, 2.0 ** w, np.float32))
+
+    await run(fn, 3, backend)
+
+
+async def test_all_reduce_plans_are_bounded(run):
+    async def fn(comm: Communicator) -> int:
+        for n in range(1, 300):
+            a = np.ones(n, np.int32)
+            await comm.all_reduce(a)
+            assert int(a[0]) == comm.world_size
+        return len(comm._plans)
+
+    for kept in await run(fn, 2, "memory"):
+        assert 0 < kept <= 256
+
+
 # ---------------------------------------------------------------------- reduce / broadcast
 
 REDUCE_CASES = [("float64", ReduceOp.SUM, (11,)), ("int32", ReduceOp.MAX, (3, 4)),
