@@ -302,13 +302,18 @@ class Recv:
             while not fut.done() and time.perf_counter() < deadline:
                 # read the peer's socket directly a few times (no event-loop turn between:
                 # a turn costs more than a read); once something was read and the frame is
-                # not complete, let the loop run (it writes what this rank sends meanwhile)
+                # not complete, go on reading, unless this rank's own frames wait for the
+                # loop to write them (the peer may be waiting for those)
+                read = False
                 for _ in range(POLL_READS):
-                    if pump(src) or fut.done():
+                    if pump(src):
+                        read = True
+                        break
+                    if fut.done():
                         break
                     if yields:
                         os.sched_yield()
-                if not fut.done():
+                if not fut.done() and not (read and t.flushed()):
                     await asyncio.sleep(0)
         frame = await fut
         checked_payload(frame, self.call.sig)

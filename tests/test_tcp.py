@@ -610,6 +610,23 @@ async def test_pump_reads_a_frame_without_an_event_loop_turn() -> None:
         t0.mailbox.end(99, 5)
 
 
+async def test_flushed_while_a_large_frame_waits_to_be_written() -> None:
+    """``flushed`` is False while a posted frame still waits for the event loop to write it
+    (a polling receive then gives the loop its turns), True again once it went out."""
+    async with tcp_world(2) as (_, (c0, c1)):
+        t0, t1 = c0.transport, c1.transport
+        assert isinstance(t0, TcpTransport) and isinstance(t1, TcpTransport)
+        await asyncio.gather(c0.barrier(), c1.barrier())
+        assert t0.flushed() and t1.flushed()
+        big = np.ones(32 << 20, np.uint8)  # more than the socket buffers hold
+        sent = asyncio.ensure_future(c0.send(big, 1))
+        await _settle_until(lambda: not t0.flushed())
+        got = await c1.recv(0)
+        await sent
+        await _settle_until(t0.flushed)
+        assert got.nbytes == big.nbytes and got.all()
+
+
 async def test_pump_leaves_a_lost_peer_to_the_event_loop() -> None:
     """At the end of a peer's stream pump reads nothing and returns; the event loop sees the
     same end and reports the loss, and the dup'd descriptor is closed with the connection."""

@@ -481,6 +481,12 @@ class Transport(abc.ABC):
         reads do. Receives that poll call it (the default: nothing to read directly)."""
         return False
 
+    def flushed(self) -> bool:
+        """Whether every frame posted so far has been handed to the system (nothing waits
+        for the event loop to be written). A receive that polls may keep reading without
+        giving the loop a turn only while this holds."""
+        return True
+
     def poll_payload(self, key: Key, sig: tuple[Any, ...], reads: int, expect: bytes | None,
                      nbytes: int) -> Any:
         """The payload of the frame for ``key`` if it is here, trying up to ``reads`` direct

@@ -569,6 +569,14 @@ class TcpTransport(Transport):
         conn.buffer_updated(n)
         return True
 
+    def flushed(self) -> bool:
+        if self._queued:
+            return False
+        for conn in self._out.values():
+            if conn.transport is not None and conn.transport.get_write_buffer_size():
+                return False
+        return True
+
     def poll_payload(self, key: Key, sig: tuple[Any, ...], reads: int, expect: bytes | None,
                      nbytes: int) -> Any:
         """See Transport.poll_payload: here a frame that is exactly the ``expect`` head is
