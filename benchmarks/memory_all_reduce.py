@@ -28,6 +28,7 @@ from workers import median_time  # benchmarks/ is on sys.path when run as a scri
 
 from asynccoll.collectives import Communicator
 from asynccoll.transport.memory import MemoryWorld
+from asynccoll.tuning import Tuning
 
 
 def numpy_add(n: int) -> float:
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the world's worker threads (default: one per core, at most one per "
                         "rank; 0: none)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--chunk-kib", type=int, default=512,
-                   help="chunk of the NumPy-only reference, in KiB")
+    p.add_argument("--chunk-kib", type=int, default=Tuning().reduce_chunk_bytes >> 10,
+                   help="chunk of the NumPy-only reference, in KiB (default: asynccoll's, "
+                        "Tuning.reduce_chunk_bytes)")
     a = p.parse_args(argv)
     n = a.mib * (1 << 20) // 4
     nbytes = n * 4
