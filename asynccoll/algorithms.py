@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CollectiveError
-from .ops import ReduceOp, combine, ufunc
+from .ops import ReduceOp, combine, combine_ordered
 from .transport.base import (
     Key,
     Transport,
@@ -179,32 +179,12 @@ class Call:
 
     async def swap(self, peer: int, step: int, arr: np.ndarray) -> np.ndarray:
         """Send ``arr`` to group rank ``peer`` and receive its array of ``step`` (of
-        ``arr``'s dtype and shape) in exchange, the lean way (``payload_of``): a new array.
-
-        The small collectives' inner loop, with ``post`` and ``payload_of`` written out:
-        with more ranks than cores, ranks sharing a core evict each other's caches, and
-        every function call on this path costs several times what it costs alone."""
-        t = self.t
-        src = self.ranks[peer]
-        code, shape, nbytes, sig = dtype_code(arr.dtype), arr.shape, arr.nbytes, self.sig
-        data_head = t.heads.data_head
-        pending = t.post(src, data_head(_DATA, self.group, self.seq, step, 0, self.src, code,
-                                        shape, sig, nbytes),
-                         memoryview(arr).cast("B") if arr.size  # type: ignore[arg-type]
-                         else bytes_view(arr))
-        expect = None
-        if self.poll:
-            expect = data_head(_DATA, self.group, self.seq, step, 0, src, code, shape, sig,
-                               nbytes)
-        payload = t.poll_payload((src, _DATA, self.group, self.seq, step, 0), sig,
-                                 POLL_READS if expect is not None else 0, expect, nbytes)
-        if payload is None:
-            got = await self._waited(src, step, arr, expect)
-        else:
-            got = self._as_array(src, payload, arr)
+        ``arr``'s dtype and shape) in exchange, the lean way (``payload_of``): a new array."""
+        pending = self.post(peer, step, arr)
+        got = await self.payload_of(peer, step, arr)
         if pending is not None:
             await pending
-            t.check_sendable()
+            self.t.check_sendable()
         return got
 
     async def _waited(self, src: int, step: int, like: np.ndarray, expect: bytes | None
@@ -367,16 +347,13 @@ async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None
         return
     if r < extra:
         combine(flat, await call.payload_of(r + p, 0, flat), op)
-    apply = ufunc(op)
     for k in range(rounds):
         partner = r ^ (1 << k)
         got = await call.swap(partner, k + 1, flat)
-        # the lower rank's operand on the left on both ranks: identical bits (as
-        # ops.combine_ordered, with the ufunc looked up once)
-        if r < partner:
-            apply(flat, got, out=flat)
+        if r < partner:  # the lower rank's operand on the left on both ranks: identical bits
+            combine_ordered(flat, flat, got, op)
         else:
-            apply(got, flat, out=flat)
+            combine_ordered(flat, got, flat, op)
     if r < extra:
         await call.send(r + p, rounds + 1, flat)
 

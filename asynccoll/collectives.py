@@ -265,6 +265,7 @@ class Communicator:
         if size == 1:
             return await body(call)
         t.mailbox.begin(self._group, seq, sig)
+        scope = (self._group, seq)
         watchdog = self._watchdog
         task = watchdog.current_task()
         watchdog.watch(task, self.timeout)
@@ -294,17 +295,17 @@ class Communicator:
             if watchdog.expired(task):
                 err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made "
                                         f"no progress within {self.timeout:g} s")
-                t.abort(err, scope=(self._group, seq))
+                t.abort(err, scope=scope)
                 raise err from None
             t.abort(CollectiveError(f"{describe_sig(sig)} was cancelled on group rank "
-                                    f"{self._rank}"), scope=(self._group, seq))
+                                    f"{self._rank}"), scope=scope)
             raise
         except CollectiveError as exc:
-            t.abort(exc, scope=(self._group, seq))
+            t.abort(exc, scope=scope)
             raise
         except Exception as exc:
             t.abort(CollectiveError(f"{describe_sig(sig)} failed on group rank {self._rank}: "
-                                    f"{exc!r}"), scope=(self._group, seq))
+                                    f"{exc!r}"), scope=scope)
             raise
         finally:
             watchdog.unwatch(task)

@@ -56,11 +56,6 @@ def check_op(op: Any, dtype: np.dtype[Any]) -> ReduceOp:
     return op
 
 
-def ufunc(op: ReduceOp) -> np.ufunc:
-    """The NumPy ufunc that combines two arrays under ``op`` (AVG: ``add``, see ``finish``)."""
-    return _UFUNCS[op]
-
-
 def combine(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     """``dst = dst (op) src``, in place, no temporary."""
     _UFUNCS[op](dst, src, out=dst)

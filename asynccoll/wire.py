@@ -776,12 +776,6 @@ class BufferedFrameReader:
         self._head_only = False
         self._end += nbytes
 
-    def stage_and_take(self, nbytes: int, head: bytes, payload_len: int) -> bytearray | None:
-        """``stage(nbytes)`` then ``take_staged(head, payload_len)``, in one call."""
-        self._head_only = False
-        self._end += nbytes
-        return self.take_staged(head, payload_len)
-
     def take_staged(self, head: bytes, payload_len: int) -> bytearray | None:
         """Consume the next staged frame if it is exactly ``head`` (prefix and header, byte
         for byte) followed by all of its ``payload_len`` payload bytes, and return that

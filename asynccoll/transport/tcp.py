@@ -219,7 +219,8 @@ class _Connection(asyncio.BufferedProtocol):
         got = None
         try:
             if reader.staging:
-                got = reader.stage_and_take(nbytes, head, payload_len)
+                reader.stage(nbytes)
+                got = reader.take_staged(head, payload_len)
                 nbytes = 0
                 if reader.idle:
                     return got
@@ -505,17 +506,11 @@ class TcpTransport(Transport):
 
     def post(self, dst: int, head: bytes, payload: memoryview | None
              ) -> asyncio.Future[None] | None:
-        mailbox = self.mailbox
-        if self._closed or (mailbox._error is not None and mailbox._scope is None):
-            self.check_usable()  # raises (check_sendable, written out: small frames' path)
-        nbytes = payload.nbytes if payload is not None else 0
-        self.bytes_sent += nbytes
+        self.check_sendable()
+        self.bytes_sent += payload.nbytes if payload is not None else 0
         conn = self._out.get(dst)
         if conn is not None and not conn.closed:
-            if payload is not None and 0 < nbytes <= SMALL_WRITE_BYTES and conn.transport:
-                conn.transport.write(head + payload)  # _Connection.write's small case
-            else:
-                conn.write(head, payload)
+            conn.write(head, payload)
             return conn.drain_future() if conn._paused else None
         lost = self._unreachable(dst)
         if lost is not None:
