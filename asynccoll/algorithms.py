@@ -551,9 +551,11 @@ async def ring_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarray
 
 async def direct_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarray) -> bool:
     w, r = call.size, call.rank
-    peers = [j for j in range(w) if j != r]
+    # staggered: rank r sends to r+1, r+2, ... and reads from r-1, r-2, ..., so that no rank
+    # is everyone's first destination
+    peers = [(r - d) % w for d in range(1, w)]
     posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
-    pending = [call.post(j, 0, mine) for j in peers]
+    pending = [call.post((r + d) % w, 0, mine) for d in range(1, w)]
     # a large own block is copied while the others' travel (copy_polling: a chunk at a time,
     # the sockets served in between); a small one after them, so that the peers' data is
     # read, and their sends freed, first (1 MiB over 2 ranks: 156-158 against 167-195 us)
