@@ -347,27 +347,9 @@ async def recursive_doubling(call: Call, flat: np.ndarray, op: ReduceOp) -> None
         return
     if r < extra:
         combine(flat, await call.payload_of(r + p, 0, flat), op)
-    # each round is Call.swap written out over the transport, with what does not change
-    # between rounds worked out once: this loop is every small all_reduce's path, and swap's
-    # layers (post, payload_of, their head and view look-ups) cost 15% of a 4-rank 8-byte
-    # all_reduce (169 against 198 us, seventh performance round)
-    t, ranks, sig, src = call.t, call.ranks, call.sig, call.src
-    heads, group, seq = t.heads, call.group, call.seq
-    code, shape, nbytes, view = dtype_code(flat.dtype), flat.shape, flat.nbytes, bytes_view(flat)
-    reads = POLL_READS if call.poll else 0
     for k in range(rounds):
         partner = r ^ (1 << k)
-        peer = ranks[partner]
-        pending = t.post(peer, heads.data_head(_DATA, group, seq, k + 1, 0, src, code, shape,
-                                               sig, nbytes), view)
-        expect = heads.data_head(_DATA, group, seq, k + 1, 0, peer, code, shape, sig,
-                                 nbytes) if reads else None
-        payload = t.poll_payload((peer, _DATA, group, seq, k + 1, 0), sig, reads, expect, nbytes)
-        got = (await call._waited(peer, k + 1, flat, expect) if payload is None
-               else call._as_array(peer, payload, flat))
-        if pending is not None:
-            await pending
-            t.check_sendable()
+        got = await call.swap(partner, k + 1, flat)
         if r < partner:  # the lower rank's operand on the left on both ranks: identical bits
             combine_ordered(flat, flat, got, op)
         else:
@@ -718,7 +700,8 @@ def begin_barrier(call: Call, step0: int = 0) -> asyncio.Future[None] | None:
 async def end_barrier(call: Call, step0: int, first: asyncio.Future[None] | None) -> None:
     """The rest of a dissemination barrier whose round 0 ``begin_barrier`` sent."""
     w, r = call.size, call.rank
-    # Call.payload_of and post written out, as in recursive_doubling (the barrier's path)
+    # Call.payload_of and post written out over the transport, the token's code and view
+    # looked up once (module constants): the barrier's whole path
     t, ranks, sig, src = call.t, call.ranks, call.sig, call.src
     heads, group, seq = t.heads, call.group, call.seq
     reads = POLL_READS if call.poll else 0
