@@ -47,7 +47,8 @@ from .wire import FrameKind, array_view, dtype_code, encode_data_head
 T = TypeVar("T")
 
 _MAX_TAG = (1 << 63) - 1
-#: distinct (collective, dtype, shape, op) plans a communicator keeps (see Communicator._plans)
+#: distinct plans (all_reduce, broadcast, all_gather: per dtype, shape and op, root or out) a
+#: communicator keeps (see Communicator._plans)
 _MAX_PLANS = 256
 
 
@@ -237,6 +238,18 @@ class Communicator:
             self._plans.clear()
         self._plans[key] = plan
 
+    def _reuse(self, key: tuple[Any, ...], array: np.ndarray, writable: bool
+               ) -> tuple[tuple[Any, ...], str] | None:
+        """The plan kept for ``key`` (made from arrays of the dtypes and shapes in it), if
+        ``array`` still fits it: C-contiguous, and writable when ``writable`` (what can change
+        between calls with the same key)."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            flags = array.flags
+            if not flags.c_contiguous or (writable and not flags.writeable):
+                return None
+        return plan
+
     def _check_open(self) -> None:
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
@@ -320,21 +333,34 @@ class Communicator:
             CollectiveError: ranks passed different shapes/dtypes/roots (and subclasses for
                 lost peers and timeouts). ``array`` then holds undefined values on non-roots.
         """
-        a = _check_array(array, writable=True)
-        root = self._check_rank(root, "root")
-        algo = self._tuning.broadcast(a.nbytes, self.world_size)
+        # a call like an earlier one skips the checks that depend only on dtype, shape, root
+        key = None
+        plan = None
+        if array.__class__ is np.ndarray and root.__class__ is int:
+            key = ("broadcast", array.dtype, array.shape, root)
+            plan = self._reuse(key, array, True)
+        if plan is None:
+            a = _check_array(array, writable=True)
+            root = self._check_rank(root, "root")
+            algo = self._tuning.broadcast(a.nbytes, self.world_size)
+            plan = (("broadcast", *_sig_array(a), root, algo), algo)
+            if key is not None:
+                self._plan(key, plan)
+        else:
+            a = array
+        sig, algo = plan
 
         async def body(call: Call) -> np.ndarray:
+            flat = a if a.ndim == 1 else a.reshape(-1)
             if algo == "chain":
-                await chain_broadcast(call, root, a.reshape(-1))
+                await chain_broadcast(call, root, flat)
             else:
-                await doubling_broadcast(call, root, a.reshape(-1))
+                await doubling_broadcast(call, root, flat)
             return a
 
         # the doubling broadcast is symmetric (every rank hears from every rank on the way):
         # it needs no agreement round
-        return await self._run(("broadcast", *_sig_array(a), root, algo), body,
-                               agree=algo != "doubling")
+        return await self._run(sig, body, agree=algo != "doubling")
 
     async def reduce(self, array: np.ndarray, root: int = 0, op: ReduceOp = ReduceOp.SUM
                      ) -> np.ndarray | None:
@@ -380,11 +406,7 @@ class Communicator:
         plan = None
         if array.__class__ is np.ndarray and op.__class__ is ReduceOp:
             key = ("all_reduce", array.dtype, array.shape, op)
-            plan = self._plans.get(key)
-            if plan is not None:
-                flags = array.flags
-                if not (flags.c_contiguous and flags.writeable):
-                    plan = None
+            plan = self._reuse(key, array, True)
         if plan is None:
             a = _check_array(array, writable=True)
             op = check_op(op, a.dtype)
@@ -473,16 +495,34 @@ class Communicator:
         Raises:
             CollectiveError: also when ``out`` does not hold exactly the gathered rows.
         """
-        a = _check_array(array)
-        if a.ndim == 0:
-            raise ValueError("all_gather needs an array with at least one dimension")
-        if out is not None:
-            _check_array(out, "out", writable=True)
-            if out.dtype != a.dtype or out.shape[1:] != a.shape[1:]:
-                raise ValueError(f"out must have dtype {a.dtype} and shape (rows, "
-                                 f"*{a.shape[1:]}), got {out.dtype} {out.shape}")
-        algo = self._tuning.all_gather(self.world_size)
-        dtype, shape = _sig_array(a)
+        # a call like an earlier one skips the checks that depend only on dtypes and shapes
+        key = None
+        plan = None
+        if array.__class__ is np.ndarray and (out is None or out.__class__ is np.ndarray):
+            key = ("all_gather", array.dtype, array.shape,
+                   None if out is None else (out.dtype, out.shape))
+            plan = self._reuse(key, array, False)
+            if plan is not None and out is not None:
+                flags = out.flags
+                if not (flags.c_contiguous and flags.writeable):
+                    plan = None
+        if plan is None:
+            a = _check_array(array)
+            if a.ndim == 0:
+                raise ValueError("all_gather needs an array with at least one dimension")
+            if out is not None:
+                _check_array(out, "out", writable=True)
+                if out.dtype != a.dtype or out.shape[1:] != a.shape[1:]:
+                    raise ValueError(f"out must have dtype {a.dtype} and shape (rows, "
+                                     f"*{a.shape[1:]}), got {out.dtype} {out.shape}")
+            algo = self._tuning.all_gather(self.world_size)
+            dtype, shape = _sig_array(a)
+            plan = (("all_gather", dtype, shape[1:], algo), algo)
+            if key is not None:
+                self._plan(key, plan)
+        else:
+            a = array
+        sig, algo = plan
 
         async def body(call: Call) -> np.ndarray:
             got = await self._gather_blocks(call, a, algo, out)
@@ -492,7 +532,7 @@ class Communicator:
                 return got
             return np.concatenate(got) if out is None else _into(out, got)
 
-        return await self._run(("all_gather", dtype, shape[1:], algo), body)
+        return await self._run(sig, body)
 
     async def gather(self, array: np.ndarray, root: int = 0) -> list[np.ndarray] | None:
         """On root, the list of every rank's ``array`` in rank order; ``None`` elsewhere."""

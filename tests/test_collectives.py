@@ -264,7 +264,7 @@ async def test_all_reduce_plans_recheck_every_call(run, backend):
         assert_exact(await comm.all_reduce(a), np.full(6, w, np.float32))  # plan made
         ro = np.ones(6, np.float32)
         ro.flags.writeable = False
-        with pytest.raises(ValueError, match="read-only"):
+        with pytest.raises(ValueError, match="is read-only but"):
             await comm.all_reduce(ro)
         strided = np.ones(12, np.float32)[::2]
         with pytest.raises(TypeError, match="C-contiguous"):
@@ -281,6 +281,51 @@ async def test_all_reduce_plans_recheck_every_call(run, backend):
         comm.tuning = Tuning()
         c = np.full(6, 2, np.float32)
         assert_exact(await comm.all_reduce(c, ReduceOp.PROD), np.full(6, 2.0 ** w, np.float32))
+
+    await run(fn, 3, backend)
+
+
+async def test_broadcast_and_all_gather_plans_recheck_every_call(run, backend):
+    """broadcast and all_gather keep plans too (per dtype, shape and root or out); a call
+    like an earlier one still checks the arrays' layout and writability, and a tuning set in
+    between takes effect."""
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        a = np.arange(8, dtype=np.float32) + r
+        assert_exact(await comm.broadcast(a, root=1), np.arange(8, dtype=np.float32) + 1)
+        ro = np.zeros(8, np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="is read-only but"):
+            await comm.broadcast(ro, root=1)
+        with pytest.raises(TypeError, match="C-contiguous"):
+            await comm.broadcast(np.zeros(16, np.float32)[::2], root=1)
+        with pytest.raises(TypeError, match="root must be an int"):
+            await comm.broadcast(a, root=True)  # type: ignore[arg-type]
+        b = np.arange(8, dtype=np.float32) + r  # a NumPy integer root, then a chain
+        assert_exact(await comm.broadcast(b, root=np.int64(0)), np.arange(8, dtype=np.float32))
+        comm.tuning = Tuning(chain_broadcast_bytes=0, chain_segment_bytes=8)
+        c = np.arange(8, dtype=np.float32) + r
+        assert_exact(await comm.broadcast(c, root=1), np.arange(8, dtype=np.float32) + 1)
+        comm.tuning = Tuning()
+
+        mine = np.full((2, 3), r, np.int32)
+        out = np.empty((2 * w, 3), np.int32)
+        expected = np.repeat(np.arange(w, dtype=np.int32), 2)[:, None] * np.ones(3, np.int32)
+        for _ in range(2):  # plan made, then used
+            assert await comm.all_gather(mine, out=out) is out
+            assert_exact(out, expected)
+        assert_exact(await comm.all_gather(mine), expected)
+        ro_out = np.empty((2 * w, 3), np.int32)
+        ro_out.flags.writeable = False
+        with pytest.raises(ValueError, match="is read-only but"):
+            await comm.all_gather(mine, out=ro_out)
+        with pytest.raises(TypeError, match="C-contiguous"):
+            await comm.all_gather(mine, out=np.empty((2 * w, 6), np.int32)[:, ::2])
+        with pytest.raises(TypeError, match="C-contiguous"):
+            await comm.all_gather(np.full((2, 6), r, np.int32)[:, ::2], out=out)
+        comm.tuning = Tuning(direct_all_gather_ranks=0)  # the ring now
+        out[...] = -1
+        assert_exact(await comm.all_gather(mine, out=out), expected)
 
     await run(fn, 3, backend)
 
