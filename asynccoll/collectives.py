@@ -68,6 +68,13 @@ def _check_array(a: Any, what: str = "array", *, writable: bool = False) -> np.n
     return a
 
 
+def _fits(a: np.ndarray, writable: bool) -> bool:
+    """Whether an array of a planned dtype and shape still fits its plan: C-contiguous, and
+    writable when ``writable`` (the checks of ``_check_array`` that can change between calls)."""
+    flags = a.flags
+    return flags.c_contiguous and (not writable or flags.writeable)
+
+
 def _sig_array(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
     return dtype_code(a.dtype), a.shape  # numpy shapes are tuples of Python ints
 
@@ -233,22 +240,25 @@ class Communicator:
             raise ValueError(f"{what}={value} is out of range for world_size {self.world_size}")
         return int(value)
 
-    def _plan(self, key: tuple[Any, ...], plan: tuple[tuple[Any, ...], str]) -> None:
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
+    def _plan(self, key: tuple[Any, ...] | None, plan: tuple[tuple[Any, ...], str]
+              ) -> tuple[tuple[Any, ...], str]:
+        """Keep ``plan`` for ``key`` (none: the call's arguments cannot key a plan); returns
+        ``plan``."""
+        if key is not None:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
-    def _reuse(self, key: tuple[Any, ...], array: np.ndarray, writable: bool
+    def _reuse(self, key: tuple[Any, ...] | None, array: np.ndarray, writable: bool
                ) -> tuple[tuple[Any, ...], str] | None:
         """The plan kept for ``key`` (made from arrays of the dtypes and shapes in it), if
         ``array`` still fits it: C-contiguous, and writable when ``writable`` (what can change
         between calls with the same key)."""
+        if key is None:
+            return None
         plan = self._plans.get(key)
-        if plan is not None:
-            flags = array.flags
-            if not flags.c_contiguous or (writable and not flags.writeable):
-                return None
-        return plan
+        return plan if plan is not None and _fits(array, writable) else None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -333,21 +343,16 @@ class Communicator:
             CollectiveError: ranks passed different shapes/dtypes/roots (and subclasses for
                 lost peers and timeouts). ``array`` then holds undefined values on non-roots.
         """
+        a = array
         # a call like an earlier one skips the checks that depend only on dtype, shape, root
-        key = None
-        plan = None
-        if array.__class__ is np.ndarray and root.__class__ is int:
-            key = ("broadcast", array.dtype, array.shape, root)
-            plan = self._reuse(key, array, True)
+        key = (("broadcast", a.dtype, a.shape, root)
+               if a.__class__ is np.ndarray and root.__class__ is int else None)
+        plan = self._reuse(key, a, True)
         if plan is None:
-            a = _check_array(array, writable=True)
+            _check_array(a, writable=True)
             root = self._check_rank(root, "root")
             algo = self._tuning.broadcast(a.nbytes, self.world_size)
-            plan = (("broadcast", *_sig_array(a), root, algo), algo)
-            if key is not None:
-                self._plan(key, plan)
-        else:
-            a = array
+            plan = self._plan(key, (("broadcast", *_sig_array(a), root, algo), algo))
         sig, algo = plan
 
         async def body(call: Call) -> np.ndarray:
@@ -401,22 +406,17 @@ class Communicator:
                 (PeerLostError) or no progress was made (CollectiveTimeout). ``array`` then
                 holds undefined values.
         """
+        a = array
         # a call like an earlier one skips the checks that depend only on dtype, shape and op
-        key = None
-        plan = None
-        if array.__class__ is np.ndarray and op.__class__ is ReduceOp:
-            key = ("all_reduce", array.dtype, array.shape, op)
-            plan = self._reuse(key, array, True)
+        key = (("all_reduce", a.dtype, a.shape, op)
+               if a.__class__ is np.ndarray and op.__class__ is ReduceOp else None)
+        plan = self._reuse(key, a, True)
         if plan is None:
-            a = _check_array(array, writable=True)
+            _check_array(a, writable=True)
             op = check_op(op, a.dtype)
             algo = self._tuning.all_reduce(a.nbytes, self.world_size,
                                            lends=self._transport.lends)
-            plan = (("all_reduce", *_sig_array(a), op._value_, algo), algo)
-            if key is not None:
-                self._plan(key, plan)
-        else:
-            a = array
+            plan = self._plan(key, (("all_reduce", *_sig_array(a), op._value_, algo), algo))
         sig, algo = plan
 
         async def body(call: Call) -> np.ndarray:
@@ -495,19 +495,16 @@ class Communicator:
         Raises:
             CollectiveError: also when ``out`` does not hold exactly the gathered rows.
         """
+        a = array
         # a call like an earlier one skips the checks that depend only on dtypes and shapes
-        key = None
-        plan = None
-        if array.__class__ is np.ndarray and (out is None or out.__class__ is np.ndarray):
-            key = ("all_gather", array.dtype, array.shape,
-                   None if out is None else (out.dtype, out.shape))
-            plan = self._reuse(key, array, False)
-            if plan is not None and out is not None:
-                flags = out.flags
-                if not (flags.c_contiguous and flags.writeable):
-                    plan = None
+        key = (("all_gather", a.dtype, a.shape, None if out is None else (out.dtype, out.shape))
+               if a.__class__ is np.ndarray and (out is None or out.__class__ is np.ndarray)
+               else None)
+        plan = self._reuse(key, a, False)
+        if plan is not None and out is not None and not _fits(out, True):
+            plan = None
         if plan is None:
-            a = _check_array(array)
+            _check_array(a)
             if a.ndim == 0:
                 raise ValueError("all_gather needs an array with at least one dimension")
             if out is not None:
@@ -517,11 +514,7 @@ class Communicator:
                                      f"*{a.shape[1:]}), got {out.dtype} {out.shape}")
             algo = self._tuning.all_gather(self.world_size)
             dtype, shape = _sig_array(a)
-            plan = (("all_gather", dtype, shape[1:], algo), algo)
-            if key is not None:
-                self._plan(key, plan)
-        else:
-            a = array
+            plan = self._plan(key, (("all_gather", dtype, shape[1:], algo), algo))
         sig, algo = plan
 
         async def body(call: Call) -> np.ndarray:
