@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -191,3 +193,71 @@ def test_tuning_picks_the_direct_all_reduce_on_lending_transports() -> None:
         Tuning(direct_all_reduce="sometimes")
     with pytest.raises(ValueError, match="reduce_chunk_bytes"):
         Tuning(reduce_chunk_bytes=0)
+
+
+# ------------------------------------------------------------ the workers share out the chunks
+
+def _chunked_job(log: list[tuple[str, int]], chunks: int, chunk: int,
+                 delay: float, fail_at: int | None = None
+                 ) -> tuple[np.ndarray, list[tuple[Callable[[int, int], None], int, list[Any]]]]:
+    """Work for ``compute_and_post``: ``chunks`` chunks of ``chunk`` bytes, each logged with
+    its thread and ``lo``, filling the payload with its chunk number (after ``delay`` s)."""
+    src = np.zeros(chunks * chunk, np.uint8)
+
+    def fill(lo: int, hi: int) -> None:
+        log.append((threading.current_thread().name, lo))
+        time.sleep(delay)
+        if fail_at is not None and lo == fail_at * chunk:
+            raise ValueError("chunk failed")
+        src[lo:hi] = lo // chunk
+
+    return src, [(fill, src.nbytes, [])]
+
+
+async def test_the_workers_share_one_jobs_chunks() -> None:
+    world = MemoryWorld(2, threads=2)
+    log: list[tuple[str, int]] = []
+    chunk = LEND_MIN_BYTES
+    src, work = _chunked_job(log, 8, chunk, 0.02)
+    assert await world.transports[0].compute_and_post(work, chunk) == []
+    assert sorted(lo for _, lo in log) == [k * chunk for k in range(8)]
+    assert_array_equal(src, np.repeat(np.arange(8, dtype=np.uint8), chunk))
+    # one job, yet both threads ran some of its chunks
+    assert len({name for name, _ in log}) == 2, log
+    for t in world.transports:
+        await t.close()
+    assert not _memory_threads()
+
+
+async def test_a_failing_chunk_fails_its_job_only() -> None:
+    world = MemoryWorld(2, threads=2)
+    t0, t1 = world.transports
+    chunk = LEND_MIN_BYTES
+    bad_log: list[tuple[str, int]] = []
+    good_log: list[tuple[str, int]] = []
+    _, bad = _chunked_job(bad_log, 8, chunk, 0.01, fail_at=1)
+    good_src, good = _chunked_job(good_log, 8, chunk, 0.01)
+    results = await asyncio.gather(t0.compute_and_post(bad, chunk),
+                                   t1.compute_and_post(good, chunk), return_exceptions=True)
+    assert isinstance(results[0], ValueError) and results[1] == []
+    assert len(bad_log) < 8, "the failed job's other chunks should have been skipped"
+    assert_array_equal(good_src, np.repeat(np.arange(8, dtype=np.uint8), chunk))
+    for t in world.transports:
+        await t.close()
+
+
+async def test_a_cancelled_job_skips_the_chunks_not_started() -> None:
+    world = MemoryWorld(2, threads=2)
+    chunk = LEND_MIN_BYTES
+    log: list[tuple[str, int]] = []
+    _, work = _chunked_job(log, 40, chunk, 0.05)
+    task = asyncio.ensure_future(world.transports[0].compute_and_post(work, chunk))
+    await asyncio.sleep(0.08)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    started = len(log)
+    await asyncio.sleep(0.15)
+    assert len(log) == started < 40, "chunks ran after the cancelled call returned"
+    for t in world.transports:
+        await t.close()

@@ -572,7 +572,9 @@ class Transport(abc.ABC):
         share one process (memory) may run the work in a worker thread, so that several
         ranks' arithmetic uses several cores (NumPy releases the GIL in large ufuncs and
         copies): ``chunk`` bytes (a multiple of the element size) at a time, each chunk
-        copied into the receives posted for the frames while it is still in cache. The
+        copied into the receives posted for the frames while it is still in cache. Chunks
+        (and work items) must not depend on each other: they may run in any order, at the
+        same time in different threads. The
         buffers the work touches must stay alive and untouched until this returns (it
         waits for a worker even when the awaiting task is cancelled).
         """
