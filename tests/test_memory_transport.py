@@ -15,7 +15,7 @@ from numpy.testing import assert_array_equal
 
 import asynccoll
 from asynccoll import Communicator, ReduceOp, ops
-from asynccoll.transport.memory import LEND_MIN_BYTES, MemoryWorld
+from asynccoll.transport.memory import LEND_MIN_BYTES, MemoryWorld, _Workers
 from asynccoll.tuning import Tuning
 from asynccoll.wire import FrameKind, dtype_code, encode_data_head
 
@@ -259,5 +259,26 @@ async def test_a_cancelled_job_skips_the_chunks_not_started() -> None:
     started = len(log)
     await asyncio.sleep(0.15)
     assert len(log) == started < 40, "chunks ran after the cancelled call returned"
+    for t in world.transports:
+        await t.close()
+
+
+async def test_jobs_queued_as_the_world_closes_run_in_the_loops_thread() -> None:
+    workers = _Workers(2)
+    ran: list[str] = []
+    job = workers.run([lambda: ran.append(threading.current_thread().name)] * 3)
+    workers.shutdown()  # before the end of this turn, when the job would have started
+    await asyncio.wait_for(job.future, 5)
+    assert ran == [threading.current_thread().name] * 3
+    assert not _memory_threads()
+
+
+async def test_work_of_no_bytes_returns_at_once() -> None:
+    world = MemoryWorld(2, threads=2)
+    calls: list[tuple[int, int]] = []
+    work: list[tuple[Callable[[int, int], None], int, list[Any]]] = [
+        (lambda lo, hi: calls.append((lo, hi)), 0, [])]
+    assert await asyncio.wait_for(world.transports[0].compute_and_post(work, 1024), 5) == []
+    assert calls == []
     for t in world.transports:
         await t.close()

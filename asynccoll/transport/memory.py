@@ -70,14 +70,23 @@ class _Job:
         self.error: BaseException | None = None
         self.cancelled = False  # the caller gave up: chunks not started are skipped
 
+    def do(self, unit: Callable[[], None]) -> None:
+        """Run one of the job's chunks, unless the job failed or was given up."""
+        if self.error is None and not self.cancelled:
+            try:
+                unit()
+            except BaseException as exc:  # handed to the job's caller
+                self.error = exc
+
     def signal(self) -> None:
         """From a worker thread: every chunk is over."""
         try:
-            self.loop.call_soon_threadsafe(self._finish)
+            self.loop.call_soon_threadsafe(self.finish)
         except RuntimeError:  # pragma: no cover - the loop was closed under a running job
             pass
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """In the loop's thread: set ``future`` (to the first chunk's error, if one failed)."""
         if self.future.done():
             return
         if self.error is not None:
@@ -104,6 +113,7 @@ class _Workers:
         self._lock = threading.Lock()
         self._running = 0  # workers taking chunks (changed under _lock)
         self._batch: list[tuple[_Job, Sequence[Callable[[], None]]]] = []  # queued this turn
+        self._closed = False
 
     def run(self, units: Sequence[Callable[[], None]]) -> _Job:
         """Queue ``units`` as one job; they start at the end of this turn of the loop."""
@@ -124,6 +134,13 @@ class _Workers:
             group = batch[g:g + self.threads]
             for k in range(max(len(units) for _, units in group)):
                 order.extend((job, units[k]) for job, units in group if k < len(units))
+        if self._closed:  # every rank closed under a running collective: no more threads
+            for job, unit in order:
+                job.left -= 1
+                job.do(unit)
+                if job.left == 0:
+                    job.finish()
+            return
         with self._lock:
             self._queue.extend(order)
             more = min(self.threads, len(self._queue)) - self._running
@@ -139,24 +156,27 @@ class _Workers:
     def _work(self) -> None:
         """A worker: chunks until the queue is empty."""
         queue, lock = self._queue, self._lock
-        done: _Job | None = None
+        job: _Job | None = None
         while True:
+            finished = None
             with lock:
-                if done is not None:
-                    done.left -= 1
-                    if done.left == 0:
-                        done.signal()
-                if not queue:
+                if job is not None:
+                    job.left -= 1
+                    if job.left == 0:
+                        finished = job
+                if queue:
+                    job, unit = queue.popleft()
+                else:
                     self._running -= 1
-                    return
-                done, unit = queue.popleft()
-            if done.error is None and not done.cancelled:
-                try:
-                    unit()
-                except BaseException as exc:  # handed to the job's caller
-                    done.error = exc
+                    job = None
+            if finished is not None:
+                finished.signal()
+            if job is None:
+                return
+            job.do(unit)
 
     def shutdown(self) -> None:
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -254,7 +274,7 @@ class MemoryTransport(Transport):
         units = [_Chunk(fn, lo, min(nbytes, lo + chunk), copies)
                  for fn, nbytes, copies in steps for lo in range(0, nbytes, chunk)]
         workers = self._world.workers()
-        if workers is None:
+        if workers is None or not units:
             for unit in units:
                 unit()
         else:
