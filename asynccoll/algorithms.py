@@ -465,7 +465,8 @@ async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     the peers' arrays in place (no copy), and the all-gather half copies each chunk while
     it is still in cache (about 8 array sizes of memory traffic for 4 ranks, against ~15
     for the ring); the whole block is then one segment (one frame per peer and direction,
-    one worker job). A single rank computes each block, so every rank ends bit-identical.
+    one ``compute_and_post``, whose chunks the memory backend's workers share). A single
+    rank computes each block, so every rank ends bit-identical.
     """
     w, r = call.size, call.rank
     bounds = row_bounds(flat.size, 1, w)
