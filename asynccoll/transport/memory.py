@@ -125,9 +125,13 @@ class _Workers:
         return job
 
     def _start(self) -> None:
-        # the turn's jobs go out in groups of one per worker, their chunks interleaved: the
+        # at the end of the turn: ranks that are ready in this turn have queued their jobs by
+        # now. Once a worker runs, it takes and drops the GIL around every NumPy call, and the
+        # event loop's thread, which needs the GIL to get the next rank going, can wait
+        # milliseconds for it (CPython's switch interval).
+        # The turn's jobs go out in groups of one per worker, their chunks interleaved: the
         # workers work on different jobs (two cores streaming through neighbouring chunks of
-        # one block measured ~4% slower), and the first jobs finish early
+        # one block measured ~4% slower), and the first jobs finish early.
         batch, self._batch = self._batch, []
         order: list[tuple[_Job, Callable[[], None]]] = []
         for g in range(0, len(batch), self.threads):
