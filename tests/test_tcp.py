@@ -627,6 +627,25 @@ async def test_flushed_while_a_large_frame_waits_to_be_written() -> None:
         assert got.nbytes == big.nbytes and got.all()
 
 
+async def test_flushed_again_once_a_connection_with_unwritten_bytes_is_lost() -> None:
+    """A connection lost while bytes wait to be written to it no longer counts against
+    ``flushed`` (the transport keeps a count of such connections rather than asking each)."""
+    async with tcp_world(2) as (_, (c0, c1)):
+        t0, t1 = c0.transport, c1.transport
+        assert isinstance(t0, TcpTransport) and isinstance(t1, TcpTransport)
+        await asyncio.gather(c0.barrier(), c1.barrier())
+        big = np.ones(32 << 20, np.uint8)  # more than the socket buffers hold
+        sent = asyncio.ensure_future(c0.send(big, 1))  # rank 1 never receives it
+        await _settle_until(lambda: not t0.flushed())
+        assert t0._unflushed == 1
+        for conn in list(t1._open):
+            conn.transport.abort()  # rank 1's side of every connection gone at once
+        await _settle_until(t0.flushed)
+        assert t0._unflushed == 0
+        with pytest.raises(asynccoll.CollectiveError):
+            await asyncio.wait_for(sent, 10)
+
+
 async def test_pump_leaves_a_lost_peer_to_the_event_loop() -> None:
     """At the end of a peer's stream pump reads nothing and returns; the event loop sees the
     same end and reports the loss, and the dup'd descriptor is closed with the connection."""

@@ -235,6 +235,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._set_paused(False)  # nothing of it waits to be written any more
         if self.raw is not None:
             self.raw.close()
             self.raw = None
@@ -250,11 +251,19 @@ class _Connection(asyncio.BufferedProtocol):
         self.owner._connection_lost(self, exc)
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self._set_paused(True)
 
     def resume_writing(self) -> None:
-        self._paused = False
+        self._set_paused(False)
         self._wake_drain()
+
+    def _set_paused(self, paused: bool) -> None:
+        """With write buffer limits of 0, paused means bytes wait in the event loop; the
+        owner counts its outgoing connections in that state (``TcpTransport.flushed``)."""
+        if paused != self._paused:
+            self._paused = paused
+            if self.outgoing:
+                self.owner._unflushed += 1 if paused else -1
 
     def _wake_drain(self) -> None:
         if self._drain is not None and not self._drain.done():
@@ -429,6 +438,8 @@ class TcpTransport(Transport):
         self._out: dict[int, _Connection] = {}
         self._dialing: dict[int, asyncio.Future[_Connection]] = {}
         self._queued: dict[int, list[tuple[bytes, memoryview | None, asyncio.Future[None]]]] = {}
+        #: outgoing connections whose writes wait in the event loop (see _Connection._set_paused)
+        self._unflushed = 0
         self._incoming: set[_Connection] = set()
         self._in: dict[int, _Connection] = {}  # authenticated incoming connection per rank
         # ranks that closed their communicator (sends to them fail; see _connection_lost)
@@ -565,12 +576,9 @@ class TcpTransport(Transport):
         return True
 
     def flushed(self) -> bool:
-        if self._queued:
-            return False
-        for conn in self._out.values():
-            if conn.transport is not None and conn.transport.get_write_buffer_size():
-                return False
-        return True
+        # O(1): the connections count themselves in and out as the event loop pauses and
+        # resumes their writing (a polled receive asks after every read)
+        return not self._queued and not self._unflushed
 
     def poll_payload(self, key: Key, sig: tuple[Any, ...], reads: int, expect: bytes | None,
                      nbytes: int) -> Any:
