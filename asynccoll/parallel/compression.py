@@ -73,12 +73,12 @@ def _all_reduce_wire_bytes(comm: Communicator, n: int, itemsize: int) -> int:
         return 0
     nbytes = n * itemsize
     if comm.tuning.all_reduce(nbytes, w) == "recursive_doubling":
-        p, extra, rounds = power_of_two_fold(w)
+        p, folded, rounds = power_of_two_fold(w)
         if r >= p:
             return nbytes
-        return nbytes * (rounds + (1 if r < extra else 0))
-    base, extra = divmod(n, w)  # blocks as numpy.array_split cuts them
-    sizes = [base + (1 if j < extra else 0) for j in range(w)]
+        return nbytes * (rounds + (1 if r < folded else 0))
+    base, longer = divmod(n, w)  # blocks as numpy.array_split cuts them
+    sizes = [base + (1 if j < longer else 0) for j in range(w)]
     return (2 * n - sizes[r] - sizes[(r + 1) % w]) * itemsize
 
 
