@@ -79,13 +79,13 @@ class _Job:
                 self.error = exc
 
     def signal(self) -> None:
-        """From a worker thread: every chunk is over."""
+        """From the thread that ran the last chunk: every chunk is over."""
         try:
-            self.loop.call_soon_threadsafe(self.finish)
+            self.loop.call_soon_threadsafe(self._finish)
         except RuntimeError:  # pragma: no cover - the loop was closed under a running job
             pass
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """In the loop's thread: set ``future`` (to the first chunk's error, if one failed)."""
         if self.future.done():
             return
@@ -138,18 +138,15 @@ class _Workers:
             group = batch[g:g + self.threads]
             for k in range(max(len(units) for _, units in group)):
                 order.extend((job, units[k]) for job, units in group if k < len(units))
-        if self._closed:  # every rank closed under a running collective: no more threads
-            for job, unit in order:
-                job.left -= 1
-                job.do(unit)
-                if job.left == 0:
-                    job.finish()
-            return
         with self._lock:
             self._queue.extend(order)
-            more = min(self.threads, len(self._queue)) - self._running
+            # every rank closed under a running collective: no more threads, this one works
+            more = 1 if self._closed else min(self.threads, len(self._queue)) - self._running
             if more > 0:
                 self._running += more
+        if self._closed:
+            self._work()
+            return
         if more <= 0:
             return
         if self._pool is None:
