@@ -15,14 +15,16 @@ reduce_scatter     direct (one round)                          ring
 all_gather         direct (one round, W <= 4 by default)       ring
 broadcast          recursive doubling's pairs (a binomial      pipelined chain (3+ ranks)
                    tree; idle pairs swap empty tokens)
-gather / scatter   direct                                      direct
+gather             recursive doubling's pairs (blocks relayed  direct
+                   towards the root, tokens back)
+scatter            direct                                      direct
 all_to_all         pairwise exchange                           pairwise exchange
 barrier            dissemination                               -
 broadcast_object   binomial tree                               binomial tree
 =================  ==========================================  ===============================
 
 Symmetric algorithms (every rank's result depends on every rank's frames) check the
-collective's signature on the way; the others (chain broadcast, ring reduce, gather,
+collective's signature on the way; the others (chain broadcast, ring reduce, direct gather,
 scatter, broadcast_object) run an agreement round beside them (``Communicator._run``).
 
 Thresholds live in ``asynccoll.tuning``. Algorithms talk to peers only through
@@ -627,6 +629,100 @@ async def doubling_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
     if r < extra:
         pending.append(call.post(r + p, rounds + 1, _TOKEN if r + p == root else flat))
     await settle(pending)
+
+
+async def doubling_gather(call: Call, root: int, flat: np.ndarray) -> np.ndarray | None:
+    """Gather along recursive doubling's pairs: the doubling broadcast run backwards.
+
+    Ranks below the largest power of two ``p`` take ``log2(p)`` rounds; in round k rank r
+    and r ^ 2^k swap one frame each. Where both collect the blocks of their half of a group
+    of 2^(k+1) ranks (the ranks that agree with the root's low k bits), the one on the
+    root's side receives the other's blocks and answers with an empty token; elsewhere both
+    swap tokens. Ranks from ``p`` on hand their block to r - p first and get a token back
+    last, or, the root among them, every block.
+
+    Every rank sends and receives a frame in every round, so each has (transitively) checked
+    every rank's signature when it returns, and no agreement round is needed beside it (see
+    ``doubling_broadcast``). Blocks are relayed by the collectors on the way, so it suits
+    small arrays; large ones go straight to the root.
+
+    Returns the ``(W, flat.size)`` array of every rank's ``flat`` in rank order on the root,
+    ``None`` elsewhere.
+    """
+    w, r = call.size, call.rank
+    p, extra, rounds = power_of_two_fold(w)
+    n = flat.size
+
+    async def take(peer: int, step: int, into: np.ndarray) -> None:  # into: flat, contiguous
+        if into.nbytes <= call.tuning.poll_max_bytes:
+            into[...] = await call.payload_of(peer, step, into)  # the lean polled path
+        else:
+            await call.recv(peer, step, into)
+
+    if r >= p:  # folded: my block to r - p, then a token back (the root: every block)
+        first = call.post(r - p, 0, flat)
+        if r != root:
+            await call.payload_of(r - p, rounds + 1, _TOKEN)
+            await settle([first])
+            return None
+        everything = np.empty((w, n), flat.dtype)
+        await take(r - p, rounds + 1, everything.reshape(-1))
+        await settle([first])
+        return everything
+    holder = root if root < p else root - p  # where the blocks meet among the first p ranks
+    away = r ^ holder
+    # the rank whose low bits first differ from the holder's sends at that round; until
+    # then it collects, into its row of ``blocks`` (rows by rank; rank i + p's block travels
+    # with rank i's)
+    blocks = None
+    if away & -away != 1 or r < extra:  # it collects something: round 0's or a folded block
+        blocks = np.empty((w, n), flat.dtype)
+        blocks[r] = flat
+
+    def ranges(base: int, k: int) -> list[tuple[int, int]]:
+        """Rows of the blocks a collector of the 2^k ranks from ``base`` holds."""
+        rows = [(base, base + (1 << k))]
+        if base < extra:
+            rows.append((p + base, p + min(base + (1 << k), extra)))
+        return rows
+
+    if r < extra:
+        assert blocks is not None
+        await take(r + p, 0, blocks[r + p])
+    pending: list[asyncio.Future[None] | None] = []
+    for k in range(rounds):
+        partner, step = r ^ (1 << k), k + 1
+        if away & ((1 << k) - 1):  # neither of us collects any more: tokens
+            await call.swap(partner, step, _TOKEN)
+        elif away & (1 << k):  # my half is away from the root's: send what I collected
+            rows = ranges(r >> k << k, k)
+            if blocks is None:  # collected nothing: my own block alone
+                bundle = flat
+            elif len(rows) == 1:
+                bundle = blocks[rows[0][0]:rows[0][1]].reshape(-1)
+            else:
+                bundle = np.concatenate([blocks[a:b] for a, b in rows]).reshape(-1)
+            pending.append(call.post(partner, step, bundle))
+            await call.payload_of(partner, step, _TOKEN)
+        else:  # the partner's half comes to me; a token goes back
+            assert blocks is not None
+            pending.append(call.post(partner, step, _TOKEN))
+            rows = ranges(partner >> k << k, k)
+            if len(rows) == 1:
+                await take(partner, step, blocks[rows[0][0]:rows[0][1]].reshape(-1))
+            else:
+                got = np.empty((sum(b - a for a, b in rows), n), flat.dtype)
+                await take(partner, step, got.reshape(-1))
+                at = 0
+                for a, b in rows:
+                    blocks[a:b] = got[at:at + b - a]
+                    at += b - a
+    if r < extra:  # the folded rank's token, or, the root, every block
+        assert blocks is not None
+        pending.append(call.post(r + p, rounds + 1,
+                                 blocks.reshape(-1) if r + p == root else _TOKEN))
+    await settle(pending)
+    return blocks if r == root else None
 
 
 async def chain_broadcast(call: Call, root: int, flat: np.ndarray) -> None:

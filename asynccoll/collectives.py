@@ -29,6 +29,7 @@ from .algorithms import (
     direct_reduce_scatter,
     dissemination_barrier,
     doubling_broadcast,
+    doubling_gather,
     end_barrier,
     recursive_doubling,
     ring,
@@ -531,8 +532,12 @@ class Communicator:
         """On root, the list of every rank's ``array`` in rank order; ``None`` elsewhere."""
         a = _check_array(array)
         root = self._check_rank(root, "root")
+        algo = self._tuning.gather(a.nbytes, self.world_size)
 
         async def body(call: Call) -> list[np.ndarray] | None:
+            if algo == "doubling":
+                rows = await doubling_gather(call, root, a.reshape(-1))
+                return None if rows is None else [row.reshape(a.shape) for row in rows]
             if call.rank != root:
                 await call.send(root, 0, a)
                 return None
@@ -541,7 +546,10 @@ class Communicator:
                 await rcv.get()
             return out
 
-        return await self._run(("gather", *_sig_array(a), root), body, agree=True)
+        # the doubling gather is symmetric (every rank hears from every rank on the way): it
+        # needs no agreement round
+        return await self._run(("gather", *_sig_array(a), root, algo), body,
+                               agree=algo != "doubling")
 
     async def scatter(self, arrays: Sequence[np.ndarray] | None, root: int = 0) -> np.ndarray:
         """The array that root put at this rank's position of ``arrays`` (a new array).

@@ -16,8 +16,9 @@ class Tuning:
 
     Attributes:
         small_bytes: at or below this, latency-optimal algorithms (recursive doubling
-            all_reduce and reduce, direct reduce_scatter); above it, bandwidth-optimal ring
-            algorithms.
+            all_reduce and reduce, direct reduce_scatter; gather when the gathered bytes
+            are at most this); above it, bandwidth-optimal ring algorithms (gather: straight
+            to the root).
         chain_broadcast_bytes: at or above this, broadcast over 3 or more ranks pipelines
             segments along a chain instead of recursive doubling's pairs (a binomial tree
             whose idle pairs swap empty tokens, so that no separate agreement round is
@@ -101,6 +102,12 @@ class Tuning:
 
     def reduce_scatter(self, nbytes: int, world_size: int) -> str:
         return "direct" if nbytes <= self.small_bytes else "ring"
+
+    def gather(self, nbytes: int, world_size: int) -> str:
+        """``nbytes``: one rank's array. Up to ``small_bytes`` gathered in all, the blocks
+        travel along recursive doubling's pairs, relayed towards the root (no agreement
+        round); beyond, every rank sends straight to the root."""
+        return "doubling" if nbytes * world_size <= self.small_bytes else "direct"
 
     def all_gather(self, world_size: int) -> str:
         return "direct" if world_size <= self.direct_all_gather_ranks else "ring"

@@ -515,6 +515,56 @@ async def test_gather_every_root(run, backend, tuning, world_size):
     await run(fn, world_size, backend, tuning=tuning)
 
 
+@pytest.mark.parametrize("world_size", [6, 7])
+async def test_doubling_gather_relays_folded_blocks(run, backend, world_size):
+    # 6 and 7 ranks fold 2 and 3 ranks onto the first four, so the collectors' bundles carry
+    # folded blocks from more than one rank; 24 KB per rank makes the larger bundles go the
+    # posted-receive way (over poll_max_bytes) and the small ones the polled way
+    cases = [("float64", (3000,)), ("int16", (2, 3)), ("uint8", (0,))]
+
+    async def fn(comm: Communicator) -> None:
+        for root, (k, (dtype, shape)) in itertools.product(range(comm.world_size),
+                                                           enumerate(cases)):
+            seed = 100 + 10 * root + k
+            got = await comm.gather(make_input(dtype, shape, seed, comm.rank), root=root)
+            if comm.rank != root:
+                assert got is None
+                continue
+            assert got is not None and len(got) == comm.world_size
+            for j, x in enumerate(got):
+                assert_exact(x, make_input(dtype, shape, seed, j), f"gather root {root} from {j}")
+
+    await run(fn, world_size, backend, tuning=Tuning(small_bytes=1 << 20))
+
+
+@pytest.mark.parametrize(("world_size", "frames"), [(2, [1, 1]), (4, [2, 2, 2, 2]),
+                                                      (5, [3, 2, 2, 2, 1])])
+async def test_small_gather_sends_one_frame_per_round(run, world_size, frames):
+    # no agreement round beside the data: a frame per round and rank (and one more for each
+    # rank a folded rank leans on), where the direct gather with its dissemination barrier
+    # needed up to three per rank
+    posted: dict[int, int] = {}
+
+    async def fn(comm: Communicator) -> None:
+        t = comm.transport
+        post = t.post
+
+        def counted(dst: int, head: bytes, payload: Any) -> Any:
+            posted[comm.rank] = posted.get(comm.rank, 0) + 1
+            return post(dst, head, payload)
+
+        t.post = counted  # type: ignore[method-assign]
+        got = await comm.gather(np.full(2, comm.rank, np.float32), root=1)
+        t.post = post  # type: ignore[method-assign]
+        if comm.rank == 1:
+            assert got is not None
+            assert_array_equal(np.stack(got), np.repeat(np.arange(comm.world_size), 2)
+                               .reshape(-1, 2).astype(np.float32))
+
+    await run(fn, world_size, "memory")
+    assert [posted.get(r, 0) for r in range(world_size)] == frames
+
+
 SCATTER_DTYPES = ["int16", "float64", "complex64", "uint16", "bool", "float16", "int64"]
 
 
