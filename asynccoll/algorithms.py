@@ -636,10 +636,10 @@ async def doubling_gather(call: Call, root: int, flat: np.ndarray) -> np.ndarray
 
     Ranks below the largest power of two ``p`` take ``log2(p)`` rounds; in round k rank r
     and r ^ 2^k swap one frame each. Where both collect the blocks of their half of a group
-    of 2^(k+1) ranks (the ranks that agree with the root's low k bits), the one on the
-    root's side receives the other's blocks and answers with an empty token; elsewhere both
-    swap tokens. Ranks from ``p`` on hand their block to r - p first and get a token back
-    last, or, the root among them, every block.
+    of 2^(k+1) ranks (the ranks whose low k bits are the root's, or those of the rank a
+    folded root leans on), the one on the root's side receives the other's blocks and
+    answers with an empty token; elsewhere both swap tokens. Ranks from ``p`` on hand their
+    block to r - p first and get a token back last, or, the root among them, every block.
 
     Every rank sends and receives a frame in every round, so each has (transitively) checked
     every rank's signature when it returns, and no agreement round is needed beside it (see
