@@ -580,6 +580,16 @@ async def binomial_broadcast(call: Call, root: int, flat: np.ndarray | None) -> 
     return flat
 
 
+async def take_into(call: Call, peer: int, step: int, into: np.ndarray) -> None:
+    """Receive the array of ``step`` from group rank ``peer`` into ``into`` (1-d, contiguous):
+    the lean polled way (``payload_of``) when it is small, a posted receive straight into it
+    otherwise."""
+    if into.nbytes <= call.tuning.poll_max_bytes:
+        into[...] = await call.payload_of(peer, step, into)
+    else:
+        await call.recv(peer, step, into)
+
+
 async def doubling_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
     """Broadcast in place along recursive doubling's pairs: in round k, rank r and r ^ 2^k
     swap one frame each, the root's data where one of them holds it already and an empty
@@ -595,24 +605,18 @@ async def doubling_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
     w, r = call.size, call.rank
     p, extra, rounds = power_of_two_fold(w)
 
-    async def take(peer: int, step: int) -> None:  # the data, into flat
-        if flat.nbytes <= call.tuning.poll_max_bytes:
-            flat[...] = await call.payload_of(peer, step, flat)  # the lean polled path
-        else:
-            await call.recv(peer, step, flat)
-
     if r >= p:  # folded: hand the data (or a token) to r - p, get the result back
         first = call.post(r - p, 0, flat if r == root else _TOKEN)
         if r == root:
             await call.payload_of(r - p, rounds + 1, _TOKEN)
         else:
-            await take(r - p, rounds + 1)
+            await take_into(call, r - p, rounds + 1, flat)
         await settle([first])
         return
     holder = root if root < p else root - p  # who holds the data among the first p ranks
     if r < extra:
         if r + p == root:
-            await take(r + p, 0)
+            await take_into(call, r + p, 0, flat)
         else:
             await call.payload_of(r + p, 0, _TOKEN)
     pending: list[asyncio.Future[None] | None] = []
@@ -625,7 +629,7 @@ async def doubling_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
             await call.payload_of(partner, step, _TOKEN)
         else:
             pending.append(call.post(partner, step, _TOKEN))
-            await take(partner, step)
+            await take_into(call, partner, step, flat)
     if r < extra:
         pending.append(call.post(r + p, rounds + 1, _TOKEN if r + p == root else flat))
     await settle(pending)
@@ -653,12 +657,6 @@ async def doubling_gather(call: Call, root: int, flat: np.ndarray) -> np.ndarray
     p, extra, rounds = power_of_two_fold(w)
     n = flat.size
 
-    async def take(peer: int, step: int, into: np.ndarray) -> None:  # into: flat, contiguous
-        if into.nbytes <= call.tuning.poll_max_bytes:
-            into[...] = await call.payload_of(peer, step, into)  # the lean polled path
-        else:
-            await call.recv(peer, step, into)
-
     if r >= p:  # folded: my block to r - p, then a token back (the root: every block)
         first = call.post(r - p, 0, flat)
         if r != root:
@@ -666,7 +664,7 @@ async def doubling_gather(call: Call, root: int, flat: np.ndarray) -> np.ndarray
             await settle([first])
             return None
         everything = np.empty((w, n), flat.dtype)
-        await take(r - p, rounds + 1, everything.reshape(-1))
+        await take_into(call, r - p, rounds + 1, everything.reshape(-1))
         await settle([first])
         return everything
     holder = root if root < p else root - p  # where the blocks meet among the first p ranks
@@ -688,7 +686,7 @@ async def doubling_gather(call: Call, root: int, flat: np.ndarray) -> np.ndarray
 
     if r < extra:
         assert blocks is not None
-        await take(r + p, 0, blocks[r + p])
+        await take_into(call, r + p, 0, blocks[r + p])
     pending: list[asyncio.Future[None] | None] = []
     for k in range(rounds):
         partner, step = r ^ (1 << k), k + 1
@@ -709,10 +707,10 @@ async def doubling_gather(call: Call, root: int, flat: np.ndarray) -> np.ndarray
             pending.append(call.post(partner, step, _TOKEN))
             rows = ranges(partner >> k << k, k)
             if len(rows) == 1:
-                await take(partner, step, blocks[rows[0][0]:rows[0][1]].reshape(-1))
+                await take_into(call, partner, step, blocks[rows[0][0]:rows[0][1]].reshape(-1))
             else:
                 got = np.empty((sum(b - a for a, b in rows), n), flat.dtype)
-                await take(partner, step, got.reshape(-1))
+                await take_into(call, partner, step, got.reshape(-1))
                 at = 0
                 for a, b in rows:
                     blocks[a:b] = got[at:at + b - a]
