@@ -129,22 +129,28 @@ class Call:
             self.t.check_sendable()
 
     def post_recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
-                  borrow: bool = False) -> Recv:
+                  borrow: bool = False, spin: bool = False) -> Recv:
         """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later.
 
         ``borrow``: the data is only read, and ``Recv.release`` is called once it was;
         a transport that ``lends`` then hands over the sender's memory
-        instead of filling ``into`` (see ``Recv.get``).
+        instead of filling ``into`` (see ``Recv.get``). ``spin``: a receive of a symmetric
+        algorithm, which may poll for a large payload (see ``poll_window``).
         """
         key = (self.ranks[peer], _DATA, self.group, self.seq, step, 0)
         view = bytes_view(into) if into is not None else None
         return Recv(self, peer, into, view, self.t.post_recv(key, view, self.sig, borrow),
-                    key if borrow else None)
+                    key if borrow else None, spin)
 
     async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
-                   resize: bool = False) -> np.ndarray:
+                   resize: bool = False, spin: bool = False) -> np.ndarray:
         """Receive the frame of ``step`` from group rank ``peer`` (see ``Recv.get``)."""
-        return await self.post_recv(peer, step, into).get(resize=resize)
+        return await self.post_recv(peer, step, into, spin=spin).get(resize=resize)
+
+    def spins(self, nbytes: int) -> bool:
+        """Whether a symmetric collective moving ``nbytes`` per rank spins on its larger
+        receives (see ``Tuning.spin_us``)."""
+        return nbytes <= self.tuning.spin_max_bytes
 
     async def exchange(self, dst: int, arr: np.ndarray, src: int, into: np.ndarray | None,
                        step: int, *, resize: bool = False) -> np.ndarray:
@@ -249,19 +255,33 @@ class Call:
 POLL_READS = 8
 
 
+def poll_window(tuning: Tuning, poll: float, yields: bool, nbytes: int | None,
+                spin: bool) -> float:
+    """Seconds a posted receive of ``nbytes`` (``None``: unknown size) polls before it
+    sleeps: ``poll`` (``Tuning.poll_us``, 0 where the transport does not poll), except with
+    more ranks than cores (``yields``), where receives above ``Tuning.poll_max_bytes`` poll
+    only where ``spin`` (a symmetric algorithm, on a transport that ``spins``), for
+    ``Tuning.spin_us``."""
+    if not poll or not yields or nbytes is None or nbytes <= tuning.poll_max_bytes:
+        return poll
+    return tuning.spin_us * 1e-6 if spin else 0.0
+
+
 class Recv:
     """A posted receive."""
 
-    __slots__ = ("borrowed", "call", "fut", "into", "peer", "view")
+    __slots__ = ("borrowed", "call", "fut", "into", "peer", "spin", "view")
 
     def __init__(self, call: Call, peer: int, into: np.ndarray | None, view: memoryview | None,
-                 fut: asyncio.Future[Frame], borrowed: Key | None = None) -> None:
+                 fut: asyncio.Future[Frame], borrowed: Key | None = None,
+                 spin: bool = False) -> None:
         self.call = call
         self.peer = peer
         self.into = into
         self.view = view
         self.fut = fut
         self.borrowed = borrowed
+        self.spin = spin
 
     def release(self) -> None:
         """Done reading a borrowed receive's data (no-op for other receives)."""
@@ -271,16 +291,20 @@ class Recv:
     async def frame(self) -> Frame:
         """The received frame, its signature checked (its payload not looked at)."""
         fut = self.fut
-        if not fut.done() and self.call.poll and (
-                not self.call.t.yields or self.into is None
-                or self.into.nbytes <= self.call.tuning.poll_max_bytes):
+        call = self.call
+        t = call.t
+        window = call.poll
+        if window and not fut.done():
+            window = poll_window(call.tuning, window, t.yields,
+                                 None if self.into is None else self.into.nbytes,
+                                 self.spin and t.spins)
+        if window and not fut.done():
             # poll a little before letting the event loop sleep (see Tuning.poll_us); with
             # more ranks than cores, hand the core over between polls (to the rank we wait for)
-            deadline = time.perf_counter() + self.call.poll
-            t = self.call.t
+            deadline = time.perf_counter() + window
             yields = t.yields
             pump = t.pump
-            src = self.call.ranks[self.peer]
+            src = call.ranks[self.peer]
             while not fut.done() and time.perf_counter() < deadline:
                 # read the peer's socket directly a few times (no event-loop turn between:
                 # a turn costs more than a read); once something was read and the frame is
@@ -426,7 +450,9 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
                for k, (a, b) in enumerate(segments(*bounds[first], nseg))]
     # in place, partial sums are only read (added into flat): a lending transport can hand
     # over the left neighbour's memory instead of copying it into scratch
-    posted = [[call.post_recv(left, s * nseg + k, t, borrow=inplace and s < reduce_steps)
+    spin = call.spins(flat.nbytes)
+    posted = [[call.post_recv(left, s * nseg + k, t, borrow=inplace and s < reduce_steps,
+                              spin=spin)
                for k, t in enumerate(targets(s))]
               for s in range(total)]
     ready = flat[:0]
@@ -521,10 +547,11 @@ async def ring_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarray
     left, right = (r - 1) % w, (r + 1) % w
     even = True
     pending = [call.post(right, step0, mine)]
+    spin = call.spins(mine.nbytes * w)
     await copy_polling(call, blocks[r], mine)  # while the first block travels
     for s in range(w - 1):
         idx = (r - s - 1) % w
-        got = await call.recv(left, step0 + s, blocks[idx], resize=True)
+        got = await call.recv(left, step0 + s, blocks[idx], resize=True, spin=spin)
         if got is not blocks[idx]:
             blocks[idx] = got
             even = False
@@ -539,7 +566,8 @@ async def direct_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarr
     # staggered: rank r sends to r+1, r+2, ... and reads from r-1, r-2, ..., so that no rank
     # is everyone's first destination
     peers = [(r - d) % w for d in range(1, w)]
-    posted = [call.post_recv(j, 0, blocks[j]) for j in peers]
+    spin = call.spins(mine.nbytes * w)
+    posted = [call.post_recv(j, 0, blocks[j], spin=spin) for j in peers]
     pending = [call.post((r + d) % w, 0, mine) for d in range(1, w)]
     # a large own block is copied while the others' travel (copy_polling: a chunk at a time,
     # the sockets served in between); a small one after them, so that the peers' data is
@@ -764,7 +792,8 @@ async def direct_reduce_scatter(call: Call, flat: np.ndarray, bounds: list[tuple
     out = flat[start:stop].copy()
     peers = [j for j in range(w) if j != r]
     scratch = [np.empty(stop - start, flat.dtype) for _ in peers]
-    posted = [call.post_recv(j, 0, buf) for j, buf in zip(peers, scratch, strict=True)]
+    spin = call.spins(flat.nbytes)
+    posted = [call.post_recv(j, 0, buf, spin=spin) for j, buf in zip(peers, scratch, strict=True)]
     pending = [call.post(j, 0, flat[bounds[j][0]:bounds[j][1]]) for j in peers]
     for rcv in posted:
         combine(out, await rcv.get(), op)

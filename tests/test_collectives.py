@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -21,6 +22,8 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 from asynccoll import CollectiveError, Communicator, ReduceOp
+from asynccoll.algorithms import Recv, poll_window
+from asynccoll.transport.tcp import TcpTransport
 from asynccoll.tuning import DIRECT, Tuning
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
@@ -436,6 +439,93 @@ def test_ring_segment_sizes():
     assert Tuning(segment_bytes=64).ring_segment(64 * mib) == 64
     with pytest.raises(ValueError, match="ring_segments"):
         Tuning(ring_segments=0)
+
+
+def test_poll_window():
+    """How long a posted receive polls before it sleeps: poll_us, except with more ranks than
+    cores, where receives above poll_max_bytes poll only in symmetric algorithms (spin_us)."""
+    t = Tuning(poll_us=200, poll_max_bytes=64 << 10, spin_us=3000)
+    poll = 200e-6
+    big = 256 << 10
+    for nbytes in (0, 64 << 10, big, None):  # cores to spare: every receive polls
+        assert poll_window(t, poll, False, nbytes, False) == poll
+    assert poll_window(t, poll, True, 64 << 10, False) == poll
+    assert poll_window(t, poll, True, None, False) == poll  # size unknown: a small frame
+    assert poll_window(t, poll, True, big, False) == 0.0  # rooted: sleeps at once
+    assert poll_window(t, poll, True, big, True) == pytest.approx(3000e-6)
+    assert poll_window(Tuning(spin_us=0), poll, True, big, True) == 0.0
+    for yields, spin in itertools.product((False, True), repeat=2):  # a transport that
+        assert poll_window(t, 0.0, yields, big, spin) == 0.0  # does not poll never does
+    with pytest.raises(ValueError, match="spin_us"):
+        Tuning(spin_us=-1)
+    with pytest.raises(ValueError, match="spin_max_bytes"):
+        Tuning(spin_max_bytes=-1)
+
+
+async def test_symmetric_collectives_mark_their_receives_spin(run, monkeypatch):
+    """Ring and direct all_gather receives spin up to Tuning.spin_max_bytes per rank;
+    rooted collectives' receives never do."""
+    seen: list[tuple[str, int, bool]] = []
+    frame = Recv.frame
+    label = ["?"]
+
+    async def recorded(self: Recv) -> Any:
+        nbytes = -1 if self.into is None else self.into.nbytes
+        seen.append((label[0], nbytes, self.spin))
+        return await frame(self)
+
+    monkeypatch.setattr(Recv, "frame", recorded)
+    tuning = Tuning(spin_max_bytes=1 << 20)
+
+    async def fn(comm: Communicator) -> None:
+        for what, call in (
+                ("all_reduce 1 MiB", lambda: comm.all_reduce(np.ones(1 << 18, np.float32))),
+                ("all_reduce 2 MiB", lambda: comm.all_reduce(np.ones(1 << 19, np.float32))),
+                ("all_gather 1 MiB", lambda: comm.all_gather(np.ones(1 << 16, np.float32))),
+                ("broadcast 1 MiB", lambda: comm.broadcast(np.ones(1 << 18, np.float32)))):
+            label[0] = what
+            await call()
+            await comm.barrier()
+
+    await run(fn, 4, "tcp", tuning=tuning)
+    marks = {(what, spin) for what, nbytes, spin in seen if nbytes > tuning.poll_max_bytes}
+    assert marks == {("all_reduce 1 MiB", True), ("all_reduce 2 MiB", False),
+                     ("all_gather 1 MiB", True), ("broadcast 1 MiB", False)}
+
+
+@pytest.mark.parametrize(("local", "yields", "spins"),
+                         [(None, False, False), ("2", False, False), ("3", True, True),
+                          ("4", True, True), ("5", True, False), ("8", True, False)])
+async def test_tcp_ranks_per_core(monkeypatch, local, yields, spins):
+    """On 2 cores: polls yield the core with more ranks than cores, and symmetric
+    collectives' larger receives spin with at most two ranks per core."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("ASYNCCOLL_LOCAL_WORLD_SIZE", raising=False)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    t = TcpTransport(0, 2)
+    assert (t.yields, t.spins) == (yields, spins)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+async def test_spinning_receives_with_more_ranks_than_cores(run, world_size):
+    """The spinning path (a TCP world that yields its core between polls) delivers exact
+    results, whatever the order frames arrive in."""
+    async def fn(comm: Communicator) -> None:
+        comm.transport.yields = comm.transport.spins = True
+        for k, n in enumerate((1 << 15, (1 << 17) + 3, 1 << 18)):
+            x = make_input("float64", (n,), k, comm.rank)
+            expected = reference(ReduceOp.SUM, [make_input("float64", (n,), k, j)
+                                                for j in range(comm.world_size)])
+            got = await comm.all_reduce(x.copy())
+            assert_allclose(got, expected, rtol=1e-12)
+            rows = await comm.all_gather(x)
+            for j in range(comm.world_size):
+                assert_exact(rows[j * n:(j + 1) * n], make_input("float64", (n,), k, j))
+
+    await run(fn, world_size, "tcp", tuning=Tuning(small_bytes=1 << 10))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -440,6 +440,9 @@ class Transport(abc.ABC):
         self.polls = False
         #: whether polling should yield the CPU between polls (more ranks than cores here)
         self.yields = False
+        #: whether, yielding, the larger receives of symmetric algorithms poll too (at most
+        #: two ranks per core here; see Tuning.spin_us)
+        self.spins = False
         #: whether borrowing receives get the sender's memory itself (see the module doc):
         #: ranks share an address space, so reading a peer's data costs no transfer
         self.lends = False

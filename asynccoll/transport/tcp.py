@@ -448,7 +448,9 @@ class TcpTransport(Transport):
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
         self.polls = True
-        self.yields = not _cores_to_spare()
+        per_core = _ranks_per_core()
+        self.yields = per_core > 1
+        self.spins = 1 < per_core <= 2
         self._told_socket_trouble = False
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -731,15 +733,16 @@ def _local_ip(client: Any) -> str:
     return str(sockname[0])
 
 
-def _cores_to_spare() -> bool:
-    """Whether every rank on this machine can have a core (so polling steals from no one)."""
+def _ranks_per_core() -> float:
+    """Ranks on this machine per core this rank may run on: at most 1, every rank can have a
+    core (so polling steals from no one)."""
     local = _env("LOCAL_WORLD_SIZE", "ASYNCCOLL_LOCAL_WORLD_SIZE")
     try:
         ranks = int(local) if local is not None else 1
     except ValueError:
         ranks = 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return ranks <= (cores or 1)
+    return max(ranks, 1) / (cores or 1)
 
 
 def _is_loopback(host: str) -> bool:
