@@ -108,6 +108,9 @@ def test_bench_plot(tmp_path: Path) -> None:
                                "ncalls", "--top", "5"],
      r"Ordered by: call count"),
     ("timeline.py", ["--iters", "200"], r"rank \d, \d+ calls polled .* total [\d.]+"),
+    ("tuning_ab.py", ["all_reduce", "256K", "off:spin_us=0", "on:", "--calls", "5",
+                      "--blocks", "2"],
+     r"on: median [\d.]+ us, [\d.]+ x off \(faster in \d of 2 blocks\)"),
 ])
 def test_profiling_scripts_run(script: str, args: list[str], expect: str) -> None:
     """The scripts docs/performance.md quotes figures from keep working."""
