@@ -46,16 +46,17 @@ class Tuning:
             longer to arrive than a wake-up, and polling for it burns a core another rank
             needs.
         spin_us: with more ranks than cores, but at most two per core, larger receives of the
-            symmetric algorithms (ring, direct all_gather and reduce_scatter: every rank sends
-            as much as it receives, so every rank a receive waits for is busy sending) poll
-            this long before they sleep, handing their core over between polls, when the
-            collective moves at most ``spin_max_bytes`` per rank. Medium messages make many
-            short waits, and a rank that sleeps through each lets its core fall idle and pays
-            a wake-up every time (4 ranks on 2 cores: a 1 MiB all_reduce 0.71-0.79 x the
-            time, a 4 MiB one 0.80-0.86 x, a 1 MiB all_gather 0.80-0.95 x); large ones gain
-            nothing, rooted collectives such as broadcast lose (their waiting ranks spin while
-            the rank they wait for needs the core), and so do more ranks per core (8 on 2: a
-            1 MiB all_reduce 1.18 x). 0 turns it off.
+            symmetric algorithms (the ring of all_reduce, reduce_scatter and all_gather, the
+            direct all_gather: every rank sends as much as it receives, so every rank a
+            receive waits for is busy sending) poll this long before they sleep, handing
+            their core over between polls, when the collective moves at most
+            ``spin_max_bytes`` per rank. Medium messages make many short waits, and a rank
+            that sleeps through each lets its core fall idle and pays a wake-up every time
+            (4 ranks on 2 cores: a 1 MiB all_reduce 0.78-0.79 x the time, a 4 MiB one
+            0.80-0.86 x, a 1 MiB all_gather 0.79-0.89 x); large ones gain nothing, rooted
+            collectives such as broadcast lose (their waiting ranks spin while the rank they
+            wait for needs the core), and so do more ranks per core (8 on 2: a 1 MiB
+            all_reduce 1.18 x). 0 turns it off.
         spin_max_bytes: largest array (all_gather: gathered result) per rank whose symmetric
             collective spins (see ``spin_us``).
         direct_all_reduce: when all_reduce above ``small_bytes`` uses the direct algorithm
