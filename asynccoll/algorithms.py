@@ -293,12 +293,10 @@ class Recv:
         fut = self.fut
         call = self.call
         t = call.t
-        window = call.poll
-        if window and not fut.done():
-            window = poll_window(call.tuning, window, t.yields,
-                                 None if self.into is None else self.into.nbytes,
-                                 self.spin and t.spins)
-        if window and not fut.done():
+        window = 0.0 if fut.done() else poll_window(
+            call.tuning, call.poll, t.yields, None if self.into is None else self.into.nbytes,
+            self.spin and t.spins)
+        if window:
             # poll a little before letting the event loop sleep (see Tuning.poll_us); with
             # more ranks than cores, hand the core over between polls (to the rank we wait for)
             deadline = time.perf_counter() + window

@@ -18,8 +18,7 @@ import os
 import pstats
 import time
 
-import numpy as np
-from workers import run_event_loop  # benchmarks/ is on sys.path when run as a script
+from workers import asynccoll_op, run_event_loop  # benchmarks/ is on sys.path as a script
 
 import asynccoll
 
@@ -59,21 +58,8 @@ async def main() -> None:
         fields[name] = value if name == "direct_all_reduce" else size(value)
     if fields:
         comm.tuning = asynccoll.Tuning(**fields)  # type: ignore[arg-type]
-    # all_gather's size is the gathered output, written into a preallocated buffer (as in
-    # benchmarks/workers.py)
-    per = max(1, args.nbytes // 4 // (comm.world_size if args.op == "all_gather" else 1))
-    a = np.zeros(per, np.float32)
-    out = np.zeros(per * comm.world_size, np.float32)
-
-    async def once() -> None:
-        if args.op == "all_reduce":
-            await comm.all_reduce(a)
-        elif args.op == "all_gather":
-            await comm.all_gather(a, out=out)
-        elif args.op == "broadcast":
-            await comm.broadcast(a)
-        else:
-            await comm.barrier()
+    # all_gather's size is the gathered output (as in benchmarks/workers.py)
+    once = asynccoll_op(comm, args.op, args.nbytes)
 
     for _ in range(min(100, args.iters)):
         await once()

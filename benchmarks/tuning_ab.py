@@ -22,8 +22,7 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-from workers import run_event_loop  # benchmarks/ is on sys.path when run as a script
+from workers import asynccoll_op, run_event_loop  # benchmarks/ is on sys.path as a script
 
 import asynccoll
 
@@ -54,21 +53,7 @@ async def main() -> None:
     p.add_argument("--blocks", type=int, default=12, help="blocks per variant")
     args = p.parse_args()
     comm = await asynccoll.init(backend="tcp")
-    w = comm.world_size
-    per = max(1, args.nbytes // 4 // (w if args.op == "all_gather" else 1))
-    a = np.zeros(per, np.float32)
-    out = np.zeros(per * w, np.float32)
-
-    async def once() -> None:
-        if args.op == "all_reduce":
-            await comm.all_reduce(a)
-        elif args.op == "all_gather":
-            await comm.all_gather(a, out=out)
-        elif args.op == "broadcast":
-            await comm.broadcast(a)
-        else:
-            await comm.barrier()
-
+    once = asynccoll_op(comm, args.op, args.nbytes)
     medians: dict[str, list[float]] = {name: [] for name, _ in args.variants}
     for _ in range(max(50, args.calls)):
         await once()
@@ -87,7 +72,7 @@ async def main() -> None:
     if comm.rank == 0:
         first = args.variants[0][0]
         base = statistics.median(medians[first])
-        print(f"# {args.op} {args.nbytes} B x {w} ranks, {args.blocks} blocks of "
+        print(f"# {args.op} {args.nbytes} B x {comm.world_size} ranks, {args.blocks} blocks of "
               f"{args.calls} calls per variant")
         for name, values in medians.items():
             faster = sum(x < y for x, y in zip(values, medians[first], strict=True))

@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -124,6 +124,22 @@ def run_mpi(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------ asynccoll
 
+def asynccoll_op(comm: Any, op: str, nbytes: int) -> Callable[[], Awaitable[Any]]:
+    """One call of ``op`` (all_reduce, all_gather, broadcast from rank 0, barrier) on
+    ``comm`` over float32 buffers of ``nbytes`` (all_gather: the gathered output, written into
+    a preallocated buffer as the peers' are), the buffers allocated once, here."""
+    cin, cout = shapes(op, nbytes, comm.world_size)
+    a = np.zeros(cin, np.float32)
+    out = np.zeros(cout, np.float32)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(a)
+    if op == "all_gather":
+        return lambda: comm.all_gather(a, out=out)
+    if op == "broadcast":
+        return lambda: comm.broadcast(a, 0)
+    return lambda: comm.barrier()
+
+
 async def _asynccoll(args: argparse.Namespace) -> None:
     import asynccoll
 
@@ -132,20 +148,7 @@ async def _asynccoll(args: argparse.Namespace) -> None:
     async with comm:
         for op in args.ops:
             for nbytes in (args.sizes if op != "barrier" else [0]):
-                cin, cout = shapes(op, nbytes, n)
-                a = np.zeros(cin, np.float32)
-                out = np.zeros(cout, np.float32)  # preallocated, as the peers' are
-
-                async def call(op: str = op, a: np.ndarray = a, out: np.ndarray = out) -> None:
-                    if op == "all_reduce":
-                        await comm.all_reduce(a)
-                    elif op == "all_gather":
-                        await comm.all_gather(a, out=out)
-                    elif op == "broadcast":
-                        await comm.broadcast(a, 0)
-                    else:
-                        await comm.barrier()
-
+                call = asynccoll_op(comm, op, nbytes)
                 for _ in range(warmup_for(nbytes, args.warmup)):
                     await call()
                 await comm.barrier()
