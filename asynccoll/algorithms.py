@@ -424,7 +424,8 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
     width = max(stop - start for start, stop in bounds)
-    seg = max(1, call.tuning.ring_segment(width * flat.itemsize) // max(1, flat.itemsize))
+    seg = max(1, call.tuning.ring_segment(width * flat.itemsize, crowded=call.t.crowded)
+              // max(1, flat.itemsize))
     nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
     total = reduce_steps + gather_steps
     # in place, the scratch is only needed during the call: it comes from the transport's
@@ -754,7 +755,7 @@ async def chain_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
     w, r = call.size, call.rank
     vr = (r - root) % w
     prev, nxt = (r - 1) % w, (r + 1) % w
-    seg = max(1, call.tuning.chain_segment_bytes // max(1, flat.itemsize))
+    seg = max(1, call.tuning.chain_segment(crowded=call.t.crowded) // max(1, flat.itemsize))
     nseg = min(MAX_SEGMENTS, max(1, -(-flat.size // seg)))
     parts = [flat[a:b] for a, b in segments(0, flat.size, nseg)]
     posted = [call.post_recv(prev, k, part) for k, part in enumerate(parts)] if vr else []

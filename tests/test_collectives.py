@@ -23,7 +23,8 @@ from numpy.testing import assert_allclose, assert_array_equal
 
 from asynccoll import CollectiveError, Communicator, ReduceOp
 from asynccoll.algorithms import Recv, poll_window
-from asynccoll.transport.tcp import TcpTransport
+from asynccoll.transport import tcp as tcp_module
+from asynccoll.transport.tcp import TcpTransport, tcp_local_world, world_crowded
 from asynccoll.tuning import DIRECT, Tuning
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
@@ -441,6 +442,24 @@ def test_ring_segment_sizes():
         Tuning(ring_segments=0)
 
 
+def test_crowded_segment_sizes():
+    """Where ranks outnumber cores, ring and chain segments are at least
+    crowded_segment_bytes (a smaller block is one segment); elsewhere nothing changes."""
+    t = Tuning()
+    mib = 1 << 20
+    assert t.ring_segment(4 * mib, crowded=True) == 4 * mib
+    assert t.ring_segment(2 * mib, crowded=True) == 4 * mib  # one segment per block
+    assert t.ring_segment(64 * mib, crowded=True) == 4 * mib
+    assert t.chain_segment() == mib
+    assert t.chain_segment(crowded=True) == 4 * mib
+    big = Tuning(crowded_segment_bytes=16 * mib)
+    assert big.ring_segment(64 * mib, crowded=True) == 16 * mib  # above segment_bytes
+    assert big.ring_segment(64 * mib) == 4 * mib
+    assert Tuning(chain_segment_bytes=8 * mib).chain_segment(crowded=True) == 8 * mib
+    with pytest.raises(ValueError, match="crowded_segment_bytes"):
+        Tuning(crowded_segment_bytes=0)
+
+
 def test_poll_window():
     """How long a posted receive polls before it sleeps: poll_us, except with more ranks than
     cores, where receives above poll_max_bytes poll only in symmetric algorithms (spin_us)."""
@@ -507,6 +526,67 @@ async def test_tcp_ranks_per_core(monkeypatch, local, yields, spins):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     t = TcpTransport(0, 2)
     assert (t.yields, t.spins) == (yields, spins)
+
+
+def test_world_crowded_from_the_roster():
+    """A world is crowded when any rank's roster entry says so; entries without meta (or
+    with other meta) count as not crowded."""
+    assert not world_crowded([])
+    assert not world_crowded([["h", 1], ["h", 2, None], ["h", 3, {}], ["h", 4, {"x": 1}]])
+    assert not world_crowded([["h", 1, {"crowded": False}], ["h", 2, {"crowded": 1}]])
+    assert world_crowded([["h", 1, {"crowded": False}], ["h", 2, {"crowded": True}]])
+
+
+@pytest.mark.timeout(60)
+async def test_crowded_world_agrees_and_uses_larger_segments(monkeypatch):
+    """One rank of a TCP world shares a core: every rank's transport learns it from the
+    roster, and the ring then sends one segment per block where it sent two (a 6 MiB
+    all_reduce over 3 ranks: 2 MiB blocks, 1 MiB segments otherwise); results stay exact."""
+    told = []
+
+    def ranks_per_core() -> float:  # the first transport made says 2 ranks per core
+        told.append(None)
+        return 2.0 if len(told) == 1 else 0.5
+
+    monkeypatch.setattr(tcp_module, "_ranks_per_core", ranks_per_core)
+    comms = await tcp_local_world(3)
+    try:
+        assert [c.transport.crowded for c in comms] == [True] * 3
+        assert sum(c.transport.yields for c in comms) == 1
+        n = (6 << 20) // 4
+        posts = [0] * 3
+
+        async def fn(comm: Communicator) -> None:
+            t = comm.transport
+            post = t.post
+
+            def counting(dst, head, payload):
+                posts[comm.rank] += 1
+                return post(dst, head, payload)
+
+            t.post = counting  # type: ignore[method-assign]
+            x = make_input("float32", (n,), 0, comm.rank)
+            got = await comm.all_reduce(x)
+            expected = reference(ReduceOp.SUM, [make_input("float32", (n,), 0, j)
+                                                for j in range(3)])
+            assert_allclose(got, expected, rtol=1e-6)
+            posts[comm.rank] *= 100  # then the chain broadcast's frames
+            b = make_input("float32", (n,), 1, comm.rank)
+            assert_exact(await comm.broadcast(b, root=0), make_input("float32", (n,), 1, 0))
+            t.post = post  # type: ignore[method-assign]
+
+        await asyncio.gather(*(fn(c) for c in comms))
+        # all_reduce: 2 reduce + 2 gather steps, one segment each; broadcast: the 6 MiB
+        # in 4 MiB segments along the chain 0 -> 1 -> 2, and two frames of its agreement round
+        assert posts == [404, 404, 402]
+        for c in comms:
+            c.transport.crowded = False
+        posts[:] = [0, 0, 0]
+        await asyncio.gather(*(fn(c) for c in comms))
+        assert posts == [808, 808, 802]
+    finally:
+        for c in comms:
+            await c.close()
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

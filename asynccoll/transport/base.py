@@ -443,6 +443,11 @@ class Transport(abc.ABC):
         #: whether, yielding, the larger receives of symmetric algorithms poll too (at most
         #: two ranks per core here; see Tuning.spin_us)
         self.spins = False
+        #: whether some rank of the world shares a core with another rank (ranks outnumber
+        #: the cores of a machine): segments grow (Tuning.crowded_segment_bytes). It changes
+        #: what goes on the wire, so every rank must hold the same value: a transport sets it
+        #: only from what all ranks agreed on when the world formed
+        self.crowded = False
         #: whether borrowing receives get the sender's memory itself (see the module doc):
         #: ranks share an address space, so reading a peer's data costs no transfer
         self.lends = False

@@ -745,6 +745,13 @@ def _ranks_per_core() -> float:
     return max(ranks, 1) / (cores or 1)
 
 
+def world_crowded(members: Any) -> bool:
+    """Whether any rank of a roster (entries ``[host, port, meta]``) said it shares a core
+    (``Transport.crowded``): every rank reads the same roster, so all agree."""
+    return any(len(entry) > 2 and isinstance(entry[2], dict) and entry[2].get("crowded") is True
+               for entry in members)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -803,7 +810,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                                  peer_loss=peer_loss)
         host, lport = await transport.listen(bind, 0)
         advertised = host if host not in ("0.0.0.0", "::") else _local_ip(client)
-        await client.join(rank, advertised, lport)
+        await client.join(rank, advertised, lport, {"crowded": transport.yields})
         roster = await client.roster(world_size, timeout)
         members = roster["members"]
         for r, entry in members.items():
@@ -811,6 +818,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
             if r >= world_size:
                 raise CollectiveError(f"rank {r} joined but world_size is {world_size}")
             transport.addresses[r] = (str(entry[0]), int(entry[1]))
+        transport.crowded = world_crowded(members.values())
         if world_size > 1:
             await transport.connect((rank + 1) % world_size)
     except BaseException:
