@@ -352,7 +352,8 @@ class Communicator:
         if plan is None:
             _check_array(a, writable=True)
             root = self._check_rank(root, "root")
-            algo = self._tuning.broadcast(a.nbytes, self.world_size)
+            algo = self._tuning.broadcast(a.nbytes, self.world_size,
+                                           crowded=self._transport.crowded)
             plan = self._plan(key, (("broadcast", *_sig_array(a), root, algo), algo))
         sig, algo = plan
 

@@ -460,6 +460,40 @@ def test_crowded_segment_sizes():
         Tuning(crowded_segment_bytes=0)
 
 
+def test_crowded_broadcast_keeps_to_the_tree():
+    """Where ranks outnumber cores, broadcast runs along recursive doubling's pairs at
+    every size unless crowded_chain_broadcast_bytes says otherwise."""
+    t = Tuning()
+    assert t.broadcast(64 << 20, 4) == "chain"
+    assert t.broadcast(64 << 20, 4, crowded=True) == "doubling"
+    assert t.broadcast(1 << 40, 8, crowded=True) == "doubling"
+    forced = Tuning(crowded_chain_broadcast_bytes=1 << 20)
+    assert forced.broadcast(1 << 20, 3, crowded=True) == "chain"
+    assert forced.broadcast(1 << 20, 2, crowded=True) == "doubling"  # two ranks: one hop
+    assert forced.broadcast(1 << 20, 3) == "doubling"  # chain_broadcast_bytes: 4 MiB
+
+
+async def test_crowded_world_broadcasts_along_the_tree(monkeypatch):
+    """A crowded TCP world's large broadcast runs the doubling algorithm (its signature
+    says so on every rank) and delivers the root's data."""
+    monkeypatch.setattr(tcp_module, "_ranks_per_core", lambda: 2.0)
+    comms = await tcp_local_world(3)
+    try:
+        n = (5 << 20) // 4 + 3
+
+        async def fn(comm: Communicator) -> None:
+            assert comm.transport.crowded
+            b = make_input("float32", (n,), 2, comm.rank)
+            assert_exact(await comm.broadcast(b, root=1), make_input("float32", (n,), 2, 1))
+            plans = [p for p in comm._plans.values() if p[0][0] == "broadcast"]
+            assert [algo for _, algo in plans] == ["doubling"]
+
+        await asyncio.gather(*(fn(c) for c in comms))
+    finally:
+        for c in comms:
+            await c.close()
+
+
 def test_poll_window():
     """How long a posted receive polls before it sleeps: poll_us, except with more ranks than
     cores, where receives above poll_max_bytes poll only in symmetric algorithms (spin_us)."""
@@ -541,7 +575,8 @@ def test_world_crowded_from_the_roster():
 async def test_crowded_world_agrees_and_uses_larger_segments(monkeypatch):
     """One rank of a TCP world shares a core: every rank's transport learns it from the
     roster, and the ring then sends one segment per block where it sent two (a 6 MiB
-    all_reduce over 3 ranks: 2 MiB blocks, 1 MiB segments otherwise); results stay exact."""
+    all_reduce over 3 ranks: 2 MiB blocks, 1 MiB segments otherwise), the chain broadcast
+    (forced) 4 MiB segments; results stay exact."""
     told = []
 
     def ranks_per_core() -> float:  # the first transport made says 2 ranks per core
@@ -549,7 +584,7 @@ async def test_crowded_world_agrees_and_uses_larger_segments(monkeypatch):
         return 2.0 if len(told) == 1 else 0.5
 
     monkeypatch.setattr(tcp_module, "_ranks_per_core", ranks_per_core)
-    comms = await tcp_local_world(3)
+    comms = await tcp_local_world(3, tuning=Tuning(crowded_chain_broadcast_bytes=0))
     try:
         assert [c.transport.crowded for c in comms] == [True] * 3
         assert sum(c.transport.yields for c in comms) == 1
@@ -581,6 +616,7 @@ async def test_crowded_world_agrees_and_uses_larger_segments(monkeypatch):
         assert posts == [404, 404, 402]
         for c in comms:
             c.transport.crowded = False
+            c.tuning = Tuning(crowded_chain_broadcast_bytes=0)  # drops the plans made
         posts[:] = [0, 0, 0]
         await asyncio.gather(*(fn(c) for c in comms))
         assert posts == [808, 808, 802]
