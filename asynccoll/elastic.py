@@ -19,6 +19,9 @@ Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezv
   generation come first, in their old rank order (so rank 0 stays rank 0 if it lives), then
   newcomers in joining order.
 - ``elastic/G/addr/R``: the address rank R listens on in generation G.
+- ``elastic/G/crowded/R``: ``1`` if rank R shares a core with another rank, else ``0`` (set
+  before its address; any ``1`` makes the generation's world crowded, see
+  ``Tuning.crowded_segment_bytes``).
 
 A process that finds generation G already closed without it asks for G+1 (unless G is full,
 then it waits as a spare for the next generation); the running members see the newer round at

@@ -24,7 +24,7 @@ from numpy.testing import assert_allclose, assert_array_equal
 from asynccoll import CollectiveError, Communicator, ReduceOp
 from asynccoll.algorithms import Recv, poll_window
 from asynccoll.transport import tcp as tcp_module
-from asynccoll.transport.tcp import TcpTransport, tcp_local_world, world_crowded
+from asynccoll.transport.tcp import TcpTransport, tcp_local_world, tcp_store_world, world_crowded
 from asynccoll.tuning import DIRECT, Tuning
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
@@ -623,6 +623,41 @@ async def test_crowded_world_agrees_and_uses_larger_segments(monkeypatch):
     finally:
         for c in comms:
             await c.close()
+
+
+@pytest.mark.timeout(60)
+async def test_store_world_agrees_on_crowding(monkeypatch):
+    """Worlds formed through rendezvous keys (elastic generations) agree as well: one rank
+    that shares a core makes every rank's transport crowded; none, none."""
+    from asynccoll.rendezvous import RendezvousClient, RendezvousServer
+
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    clients = [await RendezvousClient.connect("127.0.0.1", server.port) for _ in range(3)]
+    try:
+        for gen, first in ((0, 2.0), (1, 0.5)):
+            told: list[None] = []
+
+            def ranks_per_core(first: float = first, told: list[None] = told) -> float:
+                told.append(None)
+                return first if len(told) == 1 else 0.5
+
+            monkeypatch.setattr(tcp_module, "_ranks_per_core", ranks_per_core)
+            comms = await asyncio.gather(*(
+                tcp_store_world(c, f"test/{gen}", r, 3, job=f"j{gen}")
+                for r, c in enumerate(clients)))
+            try:
+                assert [c.transport.crowded for c in comms] == [first > 1] * 3
+                x = [np.full(5, c.rank + 1.0) for c in comms]
+                await asyncio.gather(*(c.all_reduce(a) for c, a in zip(comms, x, strict=True)))
+                assert all((a == 6.0).all() for a in x)
+            finally:
+                for c in comms:
+                    await c.close()
+    finally:
+        for c in clients:
+            await c.close()
+        await server.close()
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

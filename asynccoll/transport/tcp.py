@@ -847,9 +847,10 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
     """Form a TCP world whose ranks publish their addresses as rendezvous keys.
 
     Used by elastic training, which assigns ranks itself and forms a new world per
-    generation: each rank sets ``{prefix}/addr/{rank}`` on the rendezvous ``client`` and waits
-    for every other rank's key. ``job`` (distinct per generation) makes the handshake refuse
-    connections from another generation's transports.
+    generation: each rank sets ``{prefix}/crowded/{rank}`` (``1`` when it shares a core with
+    another rank, see ``Transport.crowded``) and then ``{prefix}/addr/{rank}`` on the
+    rendezvous ``client``, and waits for every other rank's address. ``job`` (distinct per
+    generation) makes the handshake refuse connections from another generation's transports.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
@@ -860,13 +861,18 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
                              peer_loss=peer_loss)
     try:
         host, lport = await transport.listen(bind, 0)
+        await client.set(f"{prefix}/crowded/{rank}", b"1" if transport.yields else b"0")
         await client.set(f"{prefix}/addr/{rank}", f"{host}:{lport}")
         keys = [f"{prefix}/addr/{r}" for r in range(world_size)]
         await client.wait(keys, timeout=timeout)
+        crowded = False
         for r, key in enumerate(keys):
             value = (await client.get(key, wait=False)).decode()
             peer_host, _, peer_port = value.rpartition(":")
             transport.addresses[r] = (peer_host, int(peer_port))
+            # set before the address: there by now
+            crowded |= await client.get(f"{prefix}/crowded/{r}", wait=False) == b"1"
+        transport.crowded = crowded
         if world_size > 1:
             await transport.connect((rank + 1) % world_size)
     except BaseException:
