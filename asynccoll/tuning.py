@@ -47,9 +47,9 @@ class Tuning:
             smaller than this is one segment). Every segment costs each rank a frame, a
             wake-up and a turn of the algorithm, while pipelining only overlaps work that
             competes for the same cores there (4 ranks on 2 cores, 4 MiB segments against
-            1 MiB: a 16 MiB all_reduce 0.947 x the time, 8 MiB 0.939 x, 16 and 64 MiB
-            broadcasts 0.908 and 0.914 x; 3 ranks: 0.917 and 0.899 x at 16 MiB). It wins
-            over ``segment_bytes`` and ``chain_segment_bytes`` there: to keep smaller
+            1 MiB: a 16 MiB all_reduce 0.935-1.004 x the time, 8 MiB 0.939 x, 16 and 64
+            MiB broadcasts 0.908 and 0.914 x; 3 ranks: 0.917 and 0.899 x at 16 MiB). It
+            wins over ``segment_bytes`` and ``chain_segment_bytes`` there: to keep smaller
             segments in a crowded world, lower it too.
         direct_all_gather_ranks: up to this many ranks, all_gather sends every block straight
             to every rank (one round); beyond, it uses the ring. All_gather decides by world
