@@ -27,17 +27,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers import parse_size  # benchmarks/ is on sys.path as a script
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = str(HERE / "workers.py")
 DEFAULT_OPS = "all_reduce,barrier,all_gather,broadcast"
 DEFAULT_SIZES = "8,64K,1M,16M,64M"
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
 def free_port() -> int:

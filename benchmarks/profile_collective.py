@@ -18,21 +18,20 @@ import os
 import pstats
 import time
 
-from workers import asynccoll_op, run_event_loop  # benchmarks/ is on sys.path as a script
+from workers import (  # benchmarks/ is on sys.path as a script
+    asynccoll_op,
+    parse_size,
+    run_event_loop,
+    tuning_fields,
+)
 
 import asynccoll
-
-
-def size(text: str) -> int:
-    text = text.upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text[:-1] if mult > 1 else text) * mult
 
 
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("op", choices=("all_reduce", "barrier", "all_gather", "broadcast"))
-    p.add_argument("nbytes", type=size)
+    p.add_argument("nbytes", type=parse_size)
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sort", default="tottime",
@@ -52,12 +51,11 @@ async def main() -> None:
         r = comm.rank
         os.sched_setaffinity(0, {cores[r % len(cores)] if args.pin == "spread"
                                  else cores[min(r // per, len(cores) - 1)]})
-    fields: dict[str, object] = {"poll_us": 0} if args.no_poll else {}
-    for item in args.tuning:
-        name, _, value = item.partition("=")
-        fields[name] = value if name == "direct_all_reduce" else size(value)
+    fields = tuning_fields(args.tuning)
+    if args.no_poll:
+        fields.setdefault("poll_us", 0)
     if fields:
-        comm.tuning = asynccoll.Tuning(**fields)  # type: ignore[arg-type]
+        comm.tuning = asynccoll.Tuning(**fields)
     # all_gather's size is the gathered output (as in benchmarks/workers.py)
     once = asynccoll_op(comm, args.op, args.nbytes)
 

@@ -20,34 +20,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
 
-from workers import asynccoll_op, run_event_loop  # benchmarks/ is on sys.path as a script
+from workers import (  # benchmarks/ is on sys.path as a script
+    asynccoll_op,
+    parse_size,
+    run_event_loop,
+    tuning_fields,
+)
 
 import asynccoll
-
-
-def size(text: str) -> int:
-    text = text.upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text[:-1] if mult > 1 else text) * mult
 
 
 def variant(text: str) -> tuple[str, asynccoll.Tuning]:
     name, sep, rest = text.partition(":")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
-    fields: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        fields[key] = value if key == "direct_all_reduce" else size(value)
-    return name, asynccoll.Tuning(**fields)
+    return name, asynccoll.Tuning(**tuning_fields(list(filter(None, rest.split(",")))))
 
 
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("op", choices=("all_reduce", "all_gather", "broadcast", "barrier"))
-    p.add_argument("nbytes", type=size, help="all_gather: the gathered size")
+    p.add_argument("nbytes", type=parse_size, help="all_gather: the gathered size")
     p.add_argument("variants", type=variant, nargs="+")
     p.add_argument("--calls", type=int, default=200, help="timed calls per block")
     p.add_argument("--blocks", type=int, default=12, help="blocks per variant")

@@ -124,6 +124,23 @@ def run_mpi(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------ asynccoll
 
+def parse_size(text: str) -> int:
+    """Bytes from ``8``, ``64K``, ``1M``, ``1.5G`` (a trailing ``B`` is allowed)."""
+    text = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def tuning_fields(items: list[str]) -> dict[str, Any]:
+    """``asynccoll.Tuning`` keyword arguments from ``NAME=VALUE`` items (sizes as in
+    ``parse_size``; ``direct_all_reduce`` takes its word)."""
+    fields: dict[str, Any] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        fields[name] = value if name == "direct_all_reduce" else parse_size(value)
+    return fields
+
+
 def asynccoll_op(comm: Any, op: str, nbytes: int) -> Callable[[], Awaitable[Any]]:
     """One call of ``op`` (all_reduce, all_gather, broadcast from rank 0, barrier) on
     ``comm`` over float32 buffers of ``nbytes`` (all_gather: the gathered output, written into
