@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,64 @@ def table(rows: list[dict[str, Any]], peers: list[str]) -> str:
     return "\n".join(lines)
 
 
+#: the performance issue's targets over TCP: (op, bytes, peer, what, goal); ``busbw``: asynccoll's
+#: busbw at least ``goal`` x the peer's, ``time``: asynccoll's time at most ``goal`` x the peer's;
+#: each for 2 and 4 ranks (docs/performance.md, "Against the targets of the performance issue")
+TARGETS = [
+    ("all_reduce", 16 << 20, "gloo", "busbw", 1.3), ("all_reduce", 64 << 20, "gloo", "busbw", 1.3),
+    ("all_reduce", 16 << 20, "mpi", "busbw", 1.0), ("all_reduce", 64 << 20, "mpi", "busbw", 1.0),
+    ("all_reduce", 8, "gloo", "time", 0.25), ("all_reduce", 8, "mpi", "time", 3.0),
+    ("barrier", 0, "gloo", "time", 0.25), ("barrier", 0, "mpi", "time", 3.0),
+    ("all_gather", 1 << 20, "mpi", "busbw", 1.0), ("all_gather", 64 << 20, "mpi", "busbw", 1.0),
+    ("broadcast", 1 << 20, "mpi", "busbw", 1.0), ("broadcast", 64 << 20, "mpi", "busbw", 1.0),
+]
+
+
+def check_targets(rows: list[dict[str, Any]]) -> str:
+    """The targets whose rows the run has, one line each (the ratio, met or MISSED, both
+    times and both probes), then how many were met."""
+    by = {(r["framework"], r["op"], r["ranks"], r["size"]): r for r in rows}
+    lines, met, checked = [], 0, 0
+    for op, size, peer, what, goal in TARGETS:
+        parts = []
+        for n in (2, 4):
+            a, p = by.get(("asynccoll", op, n, size)), by.get((peer, op, n, size))
+            if a is None or p is None or not a["time_us"] or not p["time_us"]:
+                continue
+            # equal bytes: busbw's ratio is the inverse of time's
+            x = p["time_us"] / a["time_us"] if what == "busbw" else a["time_us"] / p["time_us"]
+            ok = x >= goal if what == "busbw" else x <= goal
+            checked += 1
+            met += ok
+            probe = (f", probes {a['probe_us']:.0f}/{p['probe_us']:.0f}"
+                     if a.get("probe_us") and p.get("probe_us") else "")
+            parts.append(f"{n}r {x:.3f} {'met' if ok else 'MISSED'} "
+                         f"({a['time_us']:.1f} vs {p['time_us']:.1f} us{probe})")
+        if parts:
+            rel = ">=" if what == "busbw" else "<="
+            unit = "" if size >= 1024 else " B"
+            lines.append(f"{op} {fmt_size(size)}{unit} vs {peer}, {what} x {rel} {goal}: "
+                         + " | ".join(parts))
+    if not checked:
+        return "# targets: none of their rows are in this run"
+    return "\n".join(["# the performance issue's targets", *lines,
+                      f"# met {met} of {checked}"])
+
+
+def probes(rows: list[dict[str, Any]]) -> str:
+    """One line: per framework and world size, the median over its rows of ``probe_us`` (the
+    slowest rank's core speed probe around each size's calls, see ``workers.CoreProbe``;
+    lower is faster). Frameworks whose probes differ ran on cores of different speed."""
+    groups: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r.get("probe_us"):
+            groups.setdefault((r["framework"], r["ranks"]), []).append(r["probe_us"])
+    if not groups:
+        return ""
+    parts = [f"{fw} {n}r {statistics.median(v):.0f}" for (fw, n), v in sorted(groups.items())]
+    return "# cores' speed probe (median us, lower is faster): " + ", ".join(parts)
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """busbw against size, one panel per (ranks, op), one line per framework (needs
     matplotlib); barrier, which moves no bytes, is left out."""
@@ -214,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also plot busbw against size per framework (needs matplotlib)")
     p.add_argument("--replot", metavar="JSON",
                    help="only plot the rows of an earlier --json file (with --plot)")
+    p.add_argument("--load", metavar="JSON",
+                   help="run nothing: print the table (and --targets, --plot) of an earlier "
+                        "--json file")
+    p.add_argument("--targets", action="store_true",
+                   help="after the table, check the performance issue's targets (those whose "
+                        "rows the run has: default ops and sizes, both peers, 2 and 4 ranks)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the frameworks one after the other this many times, alternating, "
                         "and report each figure's median over the rounds (on a shared, noisy "
@@ -228,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         if not a.plot:
             p.error("--replot needs --plot FILE.png")
         plot(json.loads(Path(a.replot).read_text()), a.plot)
+        return 0
+    if a.load:
+        saved: list[dict[str, Any]] = json.loads(Path(a.load).read_text())
+        report(saved, sorted({r["framework"] for r in saved} - {"asynccoll"}), a)
         return 0
     sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
     why = available()
@@ -252,12 +321,21 @@ def main(argv: list[str] | None = None) -> int:
     rounds = f", median of {a.rounds} alternating rounds" if a.rounds > 1 else ""
     rounds += ", frameworks alternating op by op" if a.per_op else ""
     print(f"# {os.cpu_count()} CPUs, loopback TCP, float32, median per call, slowest rank{rounds}")
-    print(table(rows, peers))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
+    report(rows, peers, a)
+    return 0
+
+
+def report(rows: list[dict[str, Any]], peers: list[str], a: argparse.Namespace) -> None:
+    """The table, the probes' line, the targets (``--targets``) and the plot (``--plot``)."""
+    print(table(rows, peers))
+    if line := probes(rows):
+        print(line)
+    if a.targets:
+        print(check_targets(rows))
     if a.plot:
         plot(rows, a.plot)
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ on its own;
 a rank's figure is the median call, and the reported time is the slowest rank's (max over
 ranks). Sizes follow nccl-tests: all_gather's size is the gathered output.
 
-Each rank 0 prints one ``RESULT {json}`` line per (op, size).
+Each rank 0 prints one ``RESULT {json}`` line per (op, size). Beside the time, a row carries
+``probe_us``: how long a fixed piece of work (``CoreProbe``) took on the slowest rank's core
+around that size's calls, so that a run shows when a framework drew slow cores.
 """
 
 from __future__ import annotations
@@ -47,13 +49,45 @@ def shapes(op: str, nbytes: int, n: int) -> tuple[int, int]:
     return count, count
 
 
-def report(framework: str, op: str, nbytes: int, n: int, seconds: float) -> None:
+def report(framework: str, op: str, nbytes: int, n: int, seconds: float,
+           probe: float = 0.0) -> None:
     size = 0 if op == "barrier" else nbytes
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n}.get(op, 1.0)
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
     row = {"framework": framework, "op": op, "ranks": n, "size": size,
-           "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor}
+           "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor,
+           "probe_us": probe * 1e6}
     print("RESULT " + json.dumps(row), flush=True)
+
+
+class CoreProbe:
+    """How fast this rank's core is now: the best of ``reps`` runs of a fixed piece of work
+    (a Python loop and a 512 KiB copy that stays in cache), in seconds.
+
+    The machine's virtual cores do not run at one speed: the same probe takes ~85 us on a
+    core in one stretch and ~125-140 us in another (the host runs something beside them),
+    and a 2-rank 1 MiB all_gather takes ~150 us with both ranks on fast cores, ~200 with one
+    on a slow core and ~230-270 with both. A rank's figure is only comparable with another
+    framework's when their probes are alike. The workers call it before and after a size's
+    calls and report the larger, over ranks the largest: a core's speed changes between
+    stretches of seconds.
+    """
+
+    def __init__(self, reps: int = 5) -> None:
+        self.reps = reps
+        self._src = np.ones(1 << 17, np.float32)
+        self._dst = np.empty_like(self._src)
+
+    def __call__(self) -> float:
+        best = float("inf")
+        for _ in range(self.reps):
+            t = time.perf_counter()
+            x = 0
+            for i in range(2000):
+                x += i
+            np.copyto(self._dst, self._src)
+            best = min(best, time.perf_counter() - t)
+        return best
 
 
 def median_time(fn: Callable[[], Any], iters: int, warmup: int) -> float:
@@ -77,6 +111,7 @@ def run_gloo(args: argparse.Namespace) -> None:
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=n)
+    probe = CoreProbe()
     for op in args.ops:
         for nbytes in (args.sizes if op != "barrier" else [0]):
             cin, cout = shapes(op, nbytes, n)
@@ -89,11 +124,12 @@ def run_gloo(args: argparse.Namespace) -> None:
                 "barrier": lambda: dist.barrier(),
             }[op]
             dist.barrier()
+            before = probe()
             seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup))
-            t = torch.tensor([seconds], dtype=torch.float64)
+            t = torch.tensor([seconds, max(before, probe())], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rank == 0:
-                report("gloo", op, nbytes, n, float(t[0]))
+                report("gloo", op, nbytes, n, float(t[0]), float(t[1]))
     dist.destroy_process_group()
 
 
@@ -104,6 +140,7 @@ def run_mpi(args: argparse.Namespace) -> None:
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
+    probe = CoreProbe()
     for op in args.ops:
         for nbytes in (args.sizes if op != "barrier" else [0]):
             cin, cout = shapes(op, nbytes, n)
@@ -116,10 +153,12 @@ def run_mpi(args: argparse.Namespace) -> None:
                 "barrier": lambda: comm.Barrier(),
             }[op]
             comm.Barrier()
+            before = probe()
             seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup))
-            t = comm.allreduce(seconds, op=MPI.MAX)
+            t = np.array([seconds, max(before, probe())])
+            comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
             if rank == 0:
-                report("mpi", op, nbytes, n, t)
+                report("mpi", op, nbytes, n, float(t[0]), float(t[1]))
 
 
 # ------------------------------------------------------------------------------ asynccoll
@@ -162,10 +201,12 @@ async def _asynccoll(args: argparse.Namespace) -> None:
 
     comm = await asynccoll.init(backend="tcp")
     n = comm.world_size
+    probe = CoreProbe()
     async with comm:
         for op in args.ops:
             for nbytes in (args.sizes if op != "barrier" else [0]):
                 call = asynccoll_op(comm, op, nbytes)
+                before = probe()
                 for _ in range(warmup_for(nbytes, args.warmup)):
                     await call()
                 await comm.barrier()
@@ -174,10 +215,10 @@ async def _asynccoll(args: argparse.Namespace) -> None:
                     t = time.perf_counter()
                     await call()
                     times.append(time.perf_counter() - t)
-                worst = np.array([statistics.median(times)])
+                worst = np.array([statistics.median(times), max(before, probe())])
                 await comm.all_reduce(worst, op=asynccoll.ReduceOp.MAX)
                 if comm.rank == 0:
-                    report("asynccoll", op, nbytes, n, float(worst[0]))
+                    report("asynccoll", op, nbytes, n, float(worst[0]), float(worst[1]))
 
 
 def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:

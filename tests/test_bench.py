@@ -58,6 +58,9 @@ def test_compare_runs_asynccoll_alone(tmp_path: Path) -> None:
     assert {(r["op"], r["size"]) for r in rows} == {
         ("all_reduce", 8), ("all_reduce", 65536), ("all_gather", 8), ("all_gather", 65536)}
     assert "all_reduce" in proc.stdout
+    # every row says how fast the slowest rank's core was around its calls
+    assert all(0 < r["probe_us"] < 1e6 for r in rows)
+    assert re.search(r"cores' speed probe .*: asynccoll 2r \d+", proc.stdout), proc.stdout
     assert _is_png(tmp_path / "run.png")
     # the rows of a run plot again without running anything
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--replot",
@@ -81,6 +84,25 @@ def test_compare_per_op_rounds(tmp_path: Path) -> None:
         ("all_reduce", 8, 2), ("barrier", 0, 2)]
     assert all(r["time_us"] > 0 for r in rows)
     assert "frameworks alternating op by op" in proc.stdout
+
+
+def test_compare_checks_the_targets_of_a_saved_run(tmp_path: Path) -> None:
+    """--load prints an earlier run's table without running; --targets checks the
+    performance issue's targets that the run has rows for."""
+    def row(fw: str, n: int, us: float, probe: float) -> dict[str, object]:
+        return {"framework": fw, "op": "all_gather", "ranks": n, "size": 1 << 20,
+                "time_us": us, "algbw": 1.0, "busbw": 1.0, "probe_us": probe}
+
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps([row("asynccoll", 2, 150.0, 85.0), row("mpi", 2, 180.0, 86.0),
+                                 row("asynccoll", 4, 1300.0, 130.0), row("mpi", 4, 1100.0, 90.0)]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--load", str(saved),
+         "--targets"], capture_output=True, text=True, timeout=60, env=_env(), check=True)
+    assert ("all_gather 1M vs mpi, busbw x >= 1.0: 2r 1.200 met (150.0 vs 180.0 us, probes 85/86)"
+            " | 4r 0.846 MISSED (1300.0 vs 1100.0 us, probes 130/90)") in proc.stdout, proc.stdout
+    assert "# met 1 of 2" in proc.stdout
+    assert "asynccoll 2r 85, asynccoll 4r 130, mpi 2r 86, mpi 4r 90" in proc.stdout
 
 
 def _is_png(path: Path) -> bool:
