@@ -4,10 +4,14 @@
     asynccoll run -n 2 benchmarks/profile_collective.py all_reduce 16M --iters 20 --profile
     asynccoll run -n 4 benchmarks/profile_collective.py all_reduce 8 --profile --sort ncalls
     asynccoll run -n 2 benchmarks/profile_collective.py barrier 0 --no-poll
+    asynccoll run -n 2 benchmarks/profile_collective.py all_gather 1M --iters 1024 --blocks 16 \
+        --all-ranks
 
 Rank 0 prints the mean time per call and, with ``--profile``, the top ``--top`` rows (in
 ``--sort`` order) of a cProfile of the timed loop. ``--no-poll`` sets ``Tuning(poll_us=0)``
-(the profile then shows work, not polling).
+(the profile then shows work, not polling). ``--blocks N`` also prints, per block of
+``--iters / N`` calls, the block's median time and the rank's core speed probe after it
+(``workers.CoreProbe``, us: lower is a faster core) as ``median/probe``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pstats
 import time
 
 from workers import (  # benchmarks/ is on sys.path as a script
+    CoreProbe,
     asynccoll_op,
     parse_size,
     run_event_loop,
@@ -41,6 +46,8 @@ async def main() -> None:
     p.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
                    help="a Tuning field to set (repeatable), e.g. segment_bytes=256K")
     p.add_argument("--all-ranks", action="store_true", help="every rank prints its figures")
+    p.add_argument("--blocks", type=int, default=0,
+                   help="also print each of this many blocks' median and core speed probe")
     p.add_argument("--pin", choices=("spread", "pack"),
                    help="pin rank r to core r %% cores (spread) or r // (ranks / cores) (pack)")
     args = p.parse_args()
@@ -65,15 +72,26 @@ async def main() -> None:
     prof = cProfile.Profile() if args.profile and comm.rank == 0 else None
     if prof:
         prof.enable()
+    probe = CoreProbe() if args.blocks > 0 else None
+    per_block = max(1, args.iters // args.blocks) if args.blocks > 0 else 0
+    probes: list[float] = []
+    spent = spent_cpu = 0.0  # in the probes, left out of the mean and CPU figures
     t = time.perf_counter()
     cpu = time.process_time()
     calls = []
-    for _ in range(args.iters):
+    for i in range(args.iters):
         c = time.perf_counter()
         await once()
         calls.append(time.perf_counter() - c)
-    dt = (time.perf_counter() - t) / args.iters
-    cpu = (time.process_time() - cpu) / args.iters
+        if probe is not None and (i + 1) % per_block == 0:
+            p0, c0 = time.perf_counter(), time.process_time()
+            probes.append(probe())  # ~0.5 ms between two calls, outside the timed ones
+            spent += time.perf_counter() - p0
+            spent_cpu += time.process_time() - c0
+    dt = (time.perf_counter() - t - spent) / args.iters
+    cpu = (time.process_time() - cpu - spent_cpu) / args.iters
+    blocks = [sorted(calls[k * per_block:(k + 1) * per_block])[per_block // 2]
+              for k in range(len(probes))]
     calls.sort()
     if prof:
         prof.disable()
@@ -81,6 +99,10 @@ async def main() -> None:
     if comm.rank == 0 or args.all_ranks:
         print(f"{args.op} {args.nbytes} B x {comm.world_size} ranks: {dt * 1e6:.1f} us per call "
               f"(median {calls[len(calls) // 2] * 1e6:.1f} us, CPU {cpu * 1e6:.1f} us)")
+        if probes:
+            pairs = zip(blocks, probes, strict=True)
+            print("blocks (median/probe us): "
+                  + " ".join(f"{b * 1e6:.0f}/{q * 1e6:.0f}" for b, q in pairs), flush=True)
     await comm.close()
 
 

@@ -105,6 +105,16 @@ def test_compare_checks_the_targets_of_a_saved_run(tmp_path: Path) -> None:
     assert "asynccoll 2r 85, asynccoll 4r 130, mpi 2r 86, mpi 4r 90" in proc.stdout
 
 
+def test_core_speed_probes_every_core() -> None:
+    """benchmarks/core_speed.py prints one line per core it may run on."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "core_speed.py"), "--seconds", "0.5",
+         "--every", "0.05"], capture_output=True, text=True, timeout=60, env=_env(), check=True)
+    lines = [line for line in proc.stdout.splitlines()
+             if re.match(r"core \d+: \d+ probes, min \d+, .* fast in \d+%", line)]
+    assert len(lines) == len(os.sched_getaffinity(0)), proc.stdout
+
+
 def _is_png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == \
         b"\x89PNG\r\n\x1a\n"
@@ -129,6 +139,8 @@ def test_bench_plot(tmp_path: Path) -> None:
     ("profile_collective.py", ["all_reduce", "8", "--iters", "50", "--profile", "--sort",
                                "ncalls", "--top", "5"],
      r"Ordered by: call count"),
+    ("profile_collective.py", ["all_gather", "64K", "--iters", "40", "--blocks", "4"],
+     r"blocks \(median/probe us\): \d+/\d+ \d+/\d+ \d+/\d+ \d+/\d+$"),
     ("timeline.py", ["--iters", "200"], r"rank \d, \d+ calls polled .* total [\d.]+"),
     ("tuning_ab.py", ["all_reduce", "256K", "off:spin_us=0", "on:", "--calls", "5",
                       "--blocks", "2"],
