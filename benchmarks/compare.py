@@ -5,13 +5,19 @@
     python benchmarks/compare.py -n 2 --ops all_gather,broadcast --sizes 1M,64M --rounds 5
     python benchmarks/compare.py --rounds 3 --json out.json --plot busbw.png
     python benchmarks/compare.py --rounds 5 --per-op          # noise spread op by op
+    python benchmarks/compare.py --rounds 5 --per-op --targets --json out.json
+    python benchmarks/compare.py --load out.json --targets    # a saved run, nothing runs
 
 Each framework runs the same ops and sizes on this machine, one after the other (see
 ``benchmarks/workers.py`` for the timing method). Peers are optional: gloo needs
 ``torch`` (``pip install torch==2.13.0`` gives the CPU build), MPI needs ``mpi4py`` and an
 ``mpirun`` (Open MPI is forced onto TCP: ``--mca pml ob1 --mca btl tcp,self``). What is missing
 is skipped with a note. Ratios: time is asynccoll / peer (lower is better for asynccoll);
-busbw is asynccoll / peer (higher is better).
+busbw is asynccoll / peer (higher is better). Every row also carries ``probe_us``, how fast
+the slowest rank's core was around that size's calls (``workers.CoreProbe``: lower is
+faster), and the run prints each framework's median probe: on a machine whose cores change
+speed, it shows when a framework drew slower cores. ``--targets`` checks the performance
+issue's targets (docs/performance.md) against the run's rows.
 """
 
 from __future__ import annotations
