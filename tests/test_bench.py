@@ -115,6 +115,16 @@ def test_core_speed_probes_every_core() -> None:
     assert len(lines) == len(os.sched_getaffinity(0)), proc.stdout
 
 
+def test_receive_and_add_compares_both_ways() -> None:
+    """benchmarks/receive_and_add.py runs both receive paths over a real socket."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "receive_and_add.py"), "--mib", "2",
+         "--segment-mib", "1", "--chunk-kib", "64", "--reps", "3", "--launches", "1"],
+        capture_output=True, text=True, timeout=60, env=_env(), check=True)
+    assert re.search(r"as-you-go / scratch: wall [\d.]+ x, CPU [\d.]+ x", proc.stdout), \
+        proc.stdout
+
+
 def _is_png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == \
         b"\x89PNG\r\n\x1a\n"
