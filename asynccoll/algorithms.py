@@ -37,6 +37,7 @@ can be read in place; ``polls``) rather than its type.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -54,7 +55,7 @@ from .transport.base import (
     compute_and_post_inline,
 )
 from .tuning import Tuning
-from .wire import Frame, FrameKind, array_view, dtype_code
+from .wire import Frame, FrameKind, ReduceOnRead, array_view, dtype_code
 
 #: the kind of collective frames, looked up once (an enum attribute costs ~0.1 us a time)
 _DATA = int(FrameKind.DATA)
@@ -129,18 +130,29 @@ class Call:
             self.t.check_sendable()
 
     def post_recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
-                  borrow: bool = False, spin: bool = False) -> Recv:
+                  borrow: bool = False, spin: bool = False,
+                  reduce_into: tuple[np.ndarray, ReduceOp] | None = None) -> Recv:
         """Post the receive of ``step`` from group rank ``peer``; ``await r.get()`` later.
 
         ``borrow``: the data is only read, and ``Recv.release`` is called once it was;
         a transport that ``lends`` then hands over the sender's memory
         instead of filling ``into`` (see ``Recv.get``). ``spin``: a receive of a symmetric
         algorithm, which may poll for a large payload (see ``poll_window``).
+        ``reduce_into=(dest, op)``: the data is only combined into ``dest`` (1-d, of
+        ``into``'s size); on a transport that ``reduces_on_read`` and from
+        ``Tuning.reduce_on_read_bytes``, it may be combined as it is read, and then
+        ``Recv.get`` returns ``dest`` with ``Recv.reduced`` set (``into`` untouched).
         """
         key = (self.ranks[peer], _DATA, self.group, self.seq, step, 0)
         view = bytes_view(into) if into is not None else None
-        return Recv(self, peer, into, view, self.t.post_recv(key, view, self.sig, borrow),
-                    key if borrow else None, spin)
+        reduce = None
+        if (reduce_into is not None and self.t.reduces_on_read
+                and reduce_into[0].nbytes >= self.tuning.reduce_on_read_bytes):
+            dest, op = reduce_into
+            reduce = ReduceOnRead(dest, functools.partial(_combine_piece, op=op))
+        return Recv(self, peer, into, view,
+                    self.t.post_recv(key, view, self.sig, borrow, reduce),
+                    key if borrow else None, spin, reduce)
 
     async def recv(self, peer: int, step: int, into: np.ndarray | None = None, *,
                    resize: bool = False, spin: bool = False) -> np.ndarray:
@@ -267,14 +279,19 @@ def poll_window(tuning: Tuning, poll: float, yields: bool, nbytes: int | None,
     return tuning.spin_us * 1e-6 if spin else 0.0
 
 
+def _combine_piece(dest: np.ndarray, piece: np.ndarray, *, op: ReduceOp) -> None:
+    combine(dest, piece, op)
+
+
 class Recv:
     """A posted receive."""
 
-    __slots__ = ("borrowed", "call", "fut", "into", "peer", "spin", "view")
+    __slots__ = ("borrowed", "call", "fut", "into", "peer", "reduce", "reduced", "spin",
+                 "view")
 
     def __init__(self, call: Call, peer: int, into: np.ndarray | None, view: memoryview | None,
                  fut: asyncio.Future[Frame], borrowed: Key | None = None,
-                 spin: bool = False) -> None:
+                 spin: bool = False, reduce: ReduceOnRead | None = None) -> None:
         self.call = call
         self.peer = peer
         self.into = into
@@ -282,6 +299,10 @@ class Recv:
         self.fut = fut
         self.borrowed = borrowed
         self.spin = spin
+        self.reduce = reduce
+        #: set by ``get`` when the data was combined into ``reduce_into``'s array as it
+        #: was read (``get`` then returned that array)
+        self.reduced = False
 
     def release(self) -> None:
         """Done reading a borrowed receive's data (no-op for other receives)."""
@@ -333,6 +354,9 @@ class Recv:
         frame = await self.frame()
         h = frame.header
         assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
+        if self.reduce is not None and frame.payload is self.reduce:
+            self.reduced = True
+            return self.reduce.dest
         into = self.into
         if into is not None:
             landed = frame.payload is self.view
@@ -449,21 +473,33 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
                for k, (a, b) in enumerate(segments(*bounds[first], nseg))]
     # in place, partial sums are only read (added into flat): a lending transport can hand
     # over the left neighbour's memory instead of copying it into scratch
+    # (and a transport that reads sockets itself may add them into flat as they arrive, a
+    # cache-sized piece at a time: see Tuning.reduce_on_read_bytes)
     spin = call.spins(flat.nbytes)
-    posted = [[call.post_recv(left, s * nseg + k, t, borrow=inplace and s < reduce_steps,
-                              spin=spin)
-               for k, t in enumerate(targets(s))]
-              for s in range(total)]
+
+    def receive(s: int, k: int, t: np.ndarray) -> Recv:
+        partial = inplace and s < reduce_steps
+        reduce_into = None
+        if partial:
+            assert op is not None
+            a, b = segments(*bounds[block(s)], nseg)[k]
+            reduce_into = (flat[a:b], op)
+        return call.post_recv(left, s * nseg + k, t, borrow=partial, spin=spin,
+                              reduce_into=reduce_into)
+
+    posted = [[receive(s, k, t) for k, t in enumerate(targets(s))] for s in range(total)]
     ready = flat[:0]
     for s in range(total):
         start, stop = bounds[block(s)]
         for k, (a, b) in enumerate(segments(start, stop, nseg)):
-            got = await posted[s][k].get()
+            rcv = posted[s][k]
+            got = await rcv.get()
             if s < reduce_steps:
                 assert op is not None
                 if inplace:
-                    combine(flat[a:b], got, op)
-                    posted[s][k].release()
+                    if not rcv.reduced:
+                        combine(flat[a:b], got, op)
+                    rcv.release()
                     ready = flat[a:b]
                 else:
                     combine(got, flat[a:b], op)

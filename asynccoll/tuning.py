@@ -91,6 +91,12 @@ class Tuning:
             for a 64 MiB all_reduce over 4 in-process ranks on 2 cores).
         offload_bytes: reductions of at least this many bytes go through the transport's
             ``compute_and_post`` (worker threads on the memory backend; inline elsewhere).
+        reduce_on_read_bytes: ring segments of partial sums at least this large are added
+            into the array as they are read, a cache-sized piece at a time, on transports
+            that read sockets themselves (tcp), instead of being read into scratch memory
+            and added afterwards. It changes nothing on the wire, so ranks may differ (4
+            ranks on 2 cores: 4, 16 and 64 MiB all_reduce 0.973, 0.960 and 0.969 x the time;
+            2 ranks: 4 MiB 0.914 x, 16 MiB 0.963 x, 64 MiB level). ``1 << 62`` turns it off.
     """
 
     small_bytes: int = 64 * 1024
@@ -110,6 +116,7 @@ class Tuning:
     direct_segment_bytes: int = 1 << 20
     reduce_chunk_bytes: int = 1 << 20
     offload_bytes: int = 256 * 1024
+    reduce_on_read_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in ("segment_bytes", "min_segment_bytes", "ring_segments",
@@ -117,7 +124,7 @@ class Tuning:
                      "reduce_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("spin_us", "spin_max_bytes"):
+        for name in ("spin_us", "spin_max_bytes", "reduce_on_read_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.direct_all_reduce not in ("lending", "always", "never"):

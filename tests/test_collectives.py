@@ -513,6 +513,8 @@ def test_poll_window():
         Tuning(spin_us=-1)
     with pytest.raises(ValueError, match="spin_max_bytes"):
         Tuning(spin_max_bytes=-1)
+    with pytest.raises(ValueError, match="reduce_on_read_bytes"):
+        Tuning(reduce_on_read_bytes=-1)
 
 
 async def test_symmetric_collectives_mark_their_receives_spin(run, monkeypatch):
@@ -1211,3 +1213,58 @@ async def test_returned_arrays_are_writable_and_do_not_alias(run, backend, tunin
             assert not np.shares_memory(a, b), "a result aliases an input array"
         for b in outputs[i + 1:]:
             assert not np.shares_memory(a, b), "two results share memory"
+
+
+# ------------------------------------------------------ partial sums reduced as they are read
+
+@pytest.mark.parametrize("dtype, op", [("float64", ReduceOp.SUM), ("int32", ReduceOp.PROD),
+                                       ("complex128", ReduceOp.SUM), ("int16", ReduceOp.MAX),
+                                       ("float32", ReduceOp.AVG)])
+async def test_ring_reduces_partial_sums_as_it_reads(monkeypatch, dtype, op):
+    """Over TCP the ring's partial sums (from Tuning.reduce_on_read_bytes) are combined into
+    the array as they are read, a piece at a time, elements split between reads included:
+    the results are bit-identical to reading each segment into scratch first, on every
+    rank, and the receives say they were reduced that way."""
+    # 1001-byte pieces: elements of every size straddle reads
+    monkeypatch.setattr(tcp_module.BufferedFrameReader, "REDUCE_READ_BYTES", 1001)
+    ring = dict(small_bytes=-1, direct_all_reduce="never", segment_bytes=24_000,
+                min_segment_bytes=1, crowded_segment_bytes=1)
+    on, off = Tuning(reduce_on_read_bytes=1, **ring), Tuning(reduce_on_read_bytes=1 << 62, **ring)
+    flags: list[bool] = []
+    get = Recv.get
+
+    async def spying(self: Recv, **kw: Any) -> np.ndarray:
+        got = await get(self, **kw)
+        flags.append(self.reduced)
+        return got
+
+    monkeypatch.setattr(Recv, "get", spying)
+    comms = await tcp_local_world(3, tuning=on)
+    try:
+        n = 100_003  # blocks and segments of uneven sizes
+        for tuning in (on, off):
+            flags.clear()
+            results = {}
+
+            async def fn(comm: Communicator, tuning: Tuning, results: dict) -> None:
+                comm.tuning = tuning
+                x = make_input(dtype, (n,), 3, comm.rank, op)
+                results[comm.rank] = (await comm.all_reduce(x, op)).copy()
+
+            await asyncio.gather(*(fn(c, tuning, results) for c in comms))
+            if tuning is on:
+                first = results
+                # every partial sum that arrived after its receive was posted was reduced
+                # as it was read (one that came earlier is read into scratch and added)
+                assert sum(flags) >= 3 and len(flags) > sum(flags) >= len(flags) // 4
+            else:
+                assert not any(flags)
+            expected = reference(op, [make_input(dtype, (n,), 3, j, op) for j in range(3)])
+            for r in range(3):
+                assert same_bits(results[r], results[0])
+                if np.dtype(dtype).kind in "iu" or op is not ReduceOp.AVG:
+                    assert_exact(results[r], expected, f"rank {r}")
+        for r in range(3):
+            assert same_bits(first[r], results[r])  # on and off: the same bits
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))

@@ -739,3 +739,60 @@ def test_after_a_large_payload_only_a_head_is_read_into_the_staging_buffer() -> 
     assert [f.header.seq for f in reader.buffer_updated(buf.nbytes)] == [1]
     assert targets == [bytearray(b"\x00") * big, bytearray(b"\x01") * big]
     assert reader.get_buffer().nbytes == reader.HEAD_READ_BYTES and reader.idle
+
+
+# ------------------------------------------------------- payloads reduced as they are read
+
+@given(dtype=st.sampled_from(["<f8", "<i4", "<c16", "|u1", "<f2"]),
+       counts=st.lists(st.sampled_from([1, 3, 7, 50, 1000, 40_000]), min_size=1, max_size=4),
+       reduced=st.lists(st.booleans(), min_size=4, max_size=4),
+       reads=st.lists(st.integers(min_value=1, max_value=70_000), min_size=1, max_size=10),
+       piece=st.sampled_from([16, 40, 4096, 256 * 1024]))
+@settings(FUZZ, max_examples=80)
+def test_reader_reduces_payloads_as_they_are_read(dtype: str, counts: list[int],
+                                                  reduced: list[bool], reads: list[int],
+                                                  piece: int) -> None:
+    """A sink that answers with a ReduceOnRead gets the payload combined into its array, a
+    piece at a time, whatever sizes the reads have (elements split between reads included),
+    and the frame out carries the ReduceOnRead itself; other frames around it are read as
+    usual. The result is exactly what adding the whole payload at once gives."""
+    rng = np.random.default_rng(len(counts) * 7 + piece)
+    dt = np.dtype(dtype)
+    payloads = [(rng.integers(-50, 50, n) if dt.kind != "c"
+                 else rng.integers(-50, 50, n) + 1j * rng.integers(-50, 50, n)).astype(dt)
+                for n in counts]
+    frames_in = [Frame(FrameKind.DATA, FrameHeader(seq=i, src=1, dtype=dt.str, shape=p.shape),
+                       p.tobytes()) for i, p in enumerate(payloads)]
+    stream = b"".join(wire.encode_frame_bytes(f) for f in frames_in)
+    dests = {i: (rng.integers(-50, 50, p.size)).astype(dt) for i, p in enumerate(payloads)
+             if reduced[i]}
+    expected = {i: d + payloads[i] for i, d in dests.items()}
+    reds = {i: wire.ReduceOnRead(d, lambda a, b: np.add(a, b, out=a)) for i, d in dests.items()}
+
+    reader = wire.BufferedFrameReader(lambda k, h, n: reds.get(h.seq), max_payload=1 << 22)
+    reader.REDUCE_READ_BYTES = piece  # type: ignore[misc]  # more pieces, split elements
+    out: list[Frame] = []
+    pos = k = 0
+    while pos < len(stream):
+        buf = reader.get_buffer()
+        assert buf.nbytes > 0
+        n = min(buf.nbytes, reads[k % len(reads)], len(stream) - pos)
+        k += 1
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        out += reader.buffer_updated(n)
+    assert reader.idle
+    assert [f.header.seq for f in out] == list(range(len(payloads)))
+    for f, p in zip(out, payloads, strict=True):
+        if f.header.seq in reds:
+            assert f.payload is reds[f.header.seq]
+            np.testing.assert_array_equal(dests[f.header.seq], expected[f.header.seq])
+        else:
+            assert bytes(memoryview(f.payload)) == p.tobytes()
+
+
+def test_reduce_on_read_needs_a_flat_contiguous_array() -> None:
+    with pytest.raises(ValueError, match="1-d C-contiguous"):
+        wire.ReduceOnRead(np.zeros((2, 2)), np.add)
+    with pytest.raises(ValueError, match="1-d C-contiguous"):
+        wire.ReduceOnRead(np.zeros(8)[::2], np.add)

@@ -19,6 +19,13 @@ receiver only reads the payload (to reduce it into its own data) and releases it
 (``Transport.release``); backends that cannot lend ignore the flag and fill the posted
 buffer as usual. ``Transport.lends`` tells algorithms which of the two they get.
 
+A receive whose data is only combined into an array may also name that array
+(``reduce``, a ``wire.ReduceOnRead``): a backend that reads sockets itself
+(``Transport.reduces_on_read``) then combines the payload into it as it reads, a
+cache-sized piece at a time, instead of filling ``into`` first; the frame it delivers then
+carries the ``ReduceOnRead`` as its payload. A frame that arrived before the receive was
+posted fills ``into`` as usual, and the receiver combines it itself.
+
 A backend may also offer ``Transport.pump``: read what one peer sent, right now, without
 an event-loop turn. A receive that polls (``Transport.polls``) calls it between turns, so
 a small frame that is already in the socket is parsed, matched and delivered in the waiting
@@ -51,7 +58,7 @@ from ..errors import (
     PeerLostError,
 )
 from ..scratch import ScratchPool
-from ..wire import Frame, FrameHeader, FrameKind, HeadCache
+from ..wire import Frame, FrameHeader, FrameKind, HeadCache, ReduceOnRead
 
 log = logging.getLogger("asynccoll.transport")
 
@@ -77,6 +84,7 @@ class _Posted:
     into: memoryview | None
     sig: tuple[Any, ...] | None
     borrow: bool = False
+    reduce: ReduceOnRead | None = None
 
 
 def describe_sig(sig: tuple[Any, ...] | None) -> str:
@@ -217,11 +225,12 @@ class Mailbox:
         return key in self._posted
 
     def post(self, key: Key, into: memoryview | None, sig: tuple[Any, ...] | None,
-             borrow: bool = False) -> asyncio.Future[Frame]:
+             borrow: bool = False, reduce: ReduceOnRead | None = None
+             ) -> asyncio.Future[Frame]:
         if key in self._posted:
             raise RuntimeError(f"receive for {key} posted twice")  # our own invariant
         fut: asyncio.Future[Frame] = self._future()
-        self._posted[key] = _Posted(fut, into, sig, borrow)
+        self._posted[key] = _Posted(fut, into, sig, borrow, reduce)
         return fut
 
     def unpost(self, key: Key) -> None:
@@ -250,6 +259,14 @@ class Mailbox:
             return None
         return posted.into
 
+    def claim_reducing(self, key: Key, nbytes: int) -> ReduceOnRead | None:
+        """The ``ReduceOnRead`` posted for ``key`` if there is one of exactly ``nbytes``
+        (a transport that reads payloads itself may combine them as it reads)."""
+        posted = self._posted.get(key)
+        if posted is None or posted.reduce is None or posted.reduce.nbytes != nbytes:
+            return None
+        return posted.reduce
+
     def deliver(self, key: Key, frame: Frame) -> None:
         """Hand a received frame to its receiver, or keep it until one is posted.
 
@@ -258,6 +275,15 @@ class Mailbox:
         if self._error is not None and not self._key_allowed(key):
             return
         posted = self._posted.pop(key, None)
+        if frame.payload.__class__ is ReduceOnRead:
+            # combined into the receive's array as it was read: the receive gets it as is
+            # (nobody else may: without its receive, the data is gone into that array)
+            if posted is not None and frame.payload is posted.reduce:
+                if not posted.future.done():
+                    posted.future.set_result(frame)
+            elif posted is not None:  # pragma: no cover - claim_reducing matched the key
+                self._posted[key] = posted
+            return
         if posted is None:
             if key in self._early:
                 log.warning("rank %d: duplicate frame %s dropped", self.rank, key)
@@ -451,6 +477,10 @@ class Transport(abc.ABC):
         #: whether borrowing receives get the sender's memory itself (see the module doc):
         #: ranks share an address space, so reading a peer's data costs no transfer
         self.lends = False
+        #: whether a receive posted with ``reduce`` (a ``ReduceOnRead``) may have its payload
+        #: combined into that array as it is read, a piece at a time, instead of landing in
+        #: its buffer (transports that read sockets themselves: tcp)
+        self.reduces_on_read = False
         #: what losing a peer does: ``"abort"`` breaks the world, ``"isolate"`` fails only
         #: what involves that peer (transports that support it: tcp)
         self.peer_loss = "abort"
@@ -534,20 +564,23 @@ class Transport(abc.ABC):
             self.check_sendable()
 
     def post_recv(self, key: Key, into: memoryview | None = None,
-                  sig: tuple[Any, ...] | None = None, borrow: bool = False
-                  ) -> asyncio.Future[Frame]:
+                  sig: tuple[Any, ...] | None = None, borrow: bool = False,
+                  reduce: ReduceOnRead | None = None) -> asyncio.Future[Frame]:
         """Post a receive; the future resolves with the frame (see ``recv``).
 
         With ``borrow``, a backend that ``lends`` may resolve it with the sender's own
         payload instead of filling ``into``: the receiver must only read it, and call
-        ``release`` once done (the sender waits until then).
+        ``release`` once done (the sender waits until then). With ``reduce`` (only for a
+        backend that ``reduces_on_read``), a frame that arrives after the receive was posted
+        may be combined into ``reduce.dest`` as it is read: the frame's payload is then
+        ``reduce`` itself, and ``into`` was not touched.
         """
         frame = self.mailbox.take(key, into, borrow)
         if frame is not None:
             fut: asyncio.Future[Frame] = self.mailbox._future()
             fut.set_result(frame)
             return fut
-        return self.mailbox.post(key, into, sig, borrow)
+        return self.mailbox.post(key, into, sig, borrow, reduce if self.reduces_on_read else None)
 
     def release(self, key: Key) -> None:
         """Give back the payload a borrowing receive of ``key`` got (no-op if it got none)."""

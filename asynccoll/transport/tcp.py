@@ -53,6 +53,7 @@ from ..wire import (
     Frame,
     FrameHeader,
     FrameKind,
+    ReduceOnRead,
     encode_frame_bytes,
 )
 from .base import Key, Transport, checked_payload, frame_key
@@ -294,7 +295,8 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             raise ProtocolError(f"unexpected {kind.name} frame on an established connection")
 
-    def _sink(self, kind: FrameKind, header: FrameHeader, nbytes: int) -> memoryview | None:
+    def _sink(self, kind: FrameKind, header: FrameHeader, nbytes: int
+              ) -> memoryview | ReduceOnRead | None:
         if header.src != self.peer:
             raise ProtocolError(f"frame claims source rank {header.src} on the connection of "
                                 f"rank {self.peer}")
@@ -307,6 +309,10 @@ class _Connection(asyncio.BufferedProtocol):
         if not mailbox.check(kind, header):
             return None
         key = frame_key(kind, header)
+        if kind is _DATA:
+            reduce = mailbox.claim_reducing(key, nbytes)
+            if reduce is not None:  # combined into its array as it is read
+                return reduce
         into = mailbox.claim(key, nbytes)
         if (into is None and nbytes >= POOLED_PAYLOAD_BYTES and kind is _DATA
                 and not mailbox.waiting(key)):
@@ -448,6 +454,7 @@ class TcpTransport(Transport):
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
         self.polls = True
+        self.reduces_on_read = True
         per_core = _ranks_per_core()
         self.yields = per_core > 1
         self.spins = 1 < per_core <= 2
