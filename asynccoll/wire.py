@@ -760,7 +760,7 @@ class BufferedFrameReader:
             if p_view is None:
                 self._reduce_piece(p_owner, filled - self._carry, self._carry + nbytes)
             filled += nbytes
-            if filled < p_owner.nbytes if p_view is None else filled < p_view.nbytes:
+            if filled < (p_owner if p_view is None else p_view).nbytes:
                 self._pending = (p_kind, p_header, p_owner, p_view, filled)
                 return []
             self._pending = None
@@ -784,36 +784,29 @@ class BufferedFrameReader:
                                                   payload_len)
             start = self._start = pos + header_len
             dest = self.sink(kind, header, payload_len) if self.sink is not None else None
+            owner: Any
+            view: memoryview | None  # None: the payload is reduced into owner as it is read
             if isinstance(dest, ReduceOnRead):
-                take = min(end - start, payload_len)
+                owner, view = dest, None
                 self._carry = 0
                 if self._pieces is None:
                     self._pieces = np.empty(self.REDUCE_READ_BYTES, np.uint8)
-                if take:  # what came with the head, from the staging buffer
-                    self._reduce_piece(dest, 0, take, stage[start:start + take])
-                    start += take
-                if take < payload_len:
-                    self._start = start
-                    self._pending = (kind, header, dest, None, take)
-                    break
-                frames.append(Frame(kind, header, dest))
-                continue
-            owner: Any
-            if dest is None:
+            elif dest is None:
                 # no zero-fill: all of it is read in
                 owner = np.empty(payload_len, np.uint8) if payload_len else b""
-                dest = memoryview(owner)
+                view = memoryview(owner)
             else:
-                owner = dest
-            take = end - start
-            if take > payload_len:
-                take = payload_len
-            if take:
-                dest[:take] = stage[start:start + take]
+                owner = view = dest
+            take = min(end - start, payload_len)
+            if take:  # what came with the head, from the staging buffer
+                if view is None:
+                    self._reduce_piece(owner, 0, take, stage[start:start + take])
+                else:
+                    view[:take] = stage[start:start + take]
                 start += take
             if take < payload_len:
                 self._start = start
-                self._pending = (kind, header, owner, dest, take)
+                self._pending = (kind, header, owner, view, take)
                 break
             frames.append(Frame(kind, header, owner))
         if start == end:

@@ -670,6 +670,27 @@ def test_take_staged_leaves_anything_else_alone() -> None:
 
 # ---------------------------------------------------- the stream reader with posted buffers
 
+def _read_all(reader: wire.BufferedFrameReader, stream: bytes, reads: list[int]) -> list[Frame]:
+    """Feed ``stream`` as the TCP transport does, each read taking at most the next of
+    ``reads`` bytes (cycling) of what ``get_buffer`` offers; the frames out, the reader idle.
+    After a large payload read straight into its buffer, the staging buffer is offered only
+    HEAD_READ_BYTES (so that the next large payload is not copied)."""
+    out: list[Frame] = []
+    pos = k = 0
+    while pos < len(stream):
+        buf = reader.get_buffer()
+        assert buf.nbytes > 0
+        if reader._head_only:
+            assert buf.nbytes <= reader.HEAD_READ_BYTES
+        n = min(buf.nbytes, reads[k % len(reads)], len(stream) - pos)
+        k += 1
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        out += reader.buffer_updated(n)
+    assert reader.idle
+    return out
+
+
 @given(sizes=st.lists(st.sampled_from([0, 5, 3000, 70_000, 200_000]), min_size=1, max_size=6),
        posted=st.lists(st.booleans(), min_size=6, max_size=6),
        reads=st.lists(st.integers(min_value=1, max_value=300_000), min_size=1, max_size=12))
@@ -692,19 +713,7 @@ def test_reader_with_posted_buffers_and_any_read_sizes(sizes: list[int], posted:
         return memoryview(buf) if buf is not None else None
 
     reader = wire.BufferedFrameReader(sink, max_payload=1 << 20)
-    out: list[Frame] = []
-    pos = k = 0
-    while pos < len(stream):
-        buf = reader.get_buffer()
-        assert buf.nbytes > 0
-        if reader._head_only:
-            assert buf.nbytes <= reader.HEAD_READ_BYTES
-        n = min(buf.nbytes, reads[k % len(reads)], len(stream) - pos)
-        k += 1
-        buf[:n] = stream[pos:pos + n]
-        pos += n
-        out += reader.buffer_updated(n)
-    assert reader.idle
+    out = _read_all(reader, stream, reads)
     assert [f.header.seq for f in out] == list(range(len(payloads)))
     for f, p in zip(out, payloads, strict=True):
         assert bytes(memoryview(f.payload)) == p
@@ -771,17 +780,7 @@ def test_reader_reduces_payloads_as_they_are_read(dtype: str, counts: list[int],
 
     reader = wire.BufferedFrameReader(lambda k, h, n: reds.get(h.seq), max_payload=1 << 22)
     reader.REDUCE_READ_BYTES = piece  # type: ignore[misc]  # more pieces, split elements
-    out: list[Frame] = []
-    pos = k = 0
-    while pos < len(stream):
-        buf = reader.get_buffer()
-        assert buf.nbytes > 0
-        n = min(buf.nbytes, reads[k % len(reads)], len(stream) - pos)
-        k += 1
-        buf[:n] = stream[pos:pos + n]
-        pos += n
-        out += reader.buffer_updated(n)
-    assert reader.idle
+    out = _read_all(reader, stream, reads)
     assert [f.header.seq for f in out] == list(range(len(payloads)))
     for f, p in zip(out, payloads, strict=True):
         if f.header.seq in reds:
