@@ -443,7 +443,8 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     ahead a neighbour runs, while NumPy reduces what already arrived.
 
     ``inplace``: partial sums are reduced into ``flat`` (all_reduce); otherwise ``flat`` is
-    only read and the finished block ``rank`` is returned (a view of the scratch).
+    only read and the finished block ``rank`` is returned (a new array; reduce-scatter steps
+    only).
     """
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
@@ -452,21 +453,32 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
               // max(1, flat.itemsize))
     nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
     total = reduce_steps + gather_steps
-    # in place, the scratch is only needed during the call: it comes from the transport's
-    # pool (no page faults on every call); otherwise the result is a view of it
-    pool = call.t.scratch if inplace else None
-    scratch = (pool.take(reduce_steps * width, flat.dtype) if pool is not None
-               else np.empty(reduce_steps * width, flat.dtype))
 
     def block(s: int) -> int:  # block received at step s
         return (r - s - 2) % w if s < reduce_steps else (r - (s - reduce_steps) - 1) % w
 
+    # partial sums land in scratch that is only needed during the call, from the transport's
+    # pool (no page faults on every call); not in place, the last step's sums are the
+    # result (this rank's block), which lands in a new array instead
+    out = None
+    kept = reduce_steps
+    if not inplace:
+        assert reduce_steps and not gather_steps and block(reduce_steps - 1) == r
+        kept -= 1
+        out = np.empty(bounds[r][1] - bounds[r][0], flat.dtype)
+    pool = call.t.scratch
+    scratch = pool.take(kept * width, flat.dtype) if kept else None
+
     def targets(s: int) -> list[np.ndarray]:
         start, stop = bounds[block(s)]
-        if s < reduce_steps:
-            base = s * width - start
-            return [scratch[base + a:base + b] for a, b in segments(start, stop, nseg)]
-        return [flat[a:b] for a, b in segments(start, stop, nseg)]
+        if s >= reduce_steps:
+            return [flat[a:b] for a, b in segments(start, stop, nseg)]
+        if s == kept:
+            assert out is not None
+            return [out[a - start:b - start] for a, b in segments(start, stop, nseg)]
+        assert scratch is not None
+        base = s * width - start
+        return [scratch[base + a:base + b] for a, b in segments(start, stop, nseg)]
 
     first = (r - 1) % w if reduce_steps else r
     pending = [call.post(right, k, flat[a:b])
@@ -509,12 +521,9 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
             if s + 1 < total:
                 pending.append(call.post(right, (s + 1) * nseg + k, ready))
     await settle(pending)
-    if pool is not None:
+    if scratch is not None:
         pool.give(scratch)
-        return None
-    start, stop = bounds[r]
-    base = (reduce_steps - 1) * width
-    return scratch[base:base + stop - start]
+    return out
 
 
 async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:

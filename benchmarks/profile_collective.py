@@ -35,7 +35,8 @@ import asynccoll
 
 async def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("op", choices=("all_reduce", "barrier", "all_gather", "broadcast"))
+    p.add_argument("op", choices=("all_reduce", "barrier", "all_gather", "broadcast",
+                                  "reduce_scatter"))
     p.add_argument("nbytes", type=parse_size)
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--profile", action="store_true")

@@ -3,6 +3,7 @@
     asynccoll run -n 4 benchmarks/tuning_ab.py all_reduce 1M off:spin_us=0 on:
     asynccoll run -n 4 benchmarks/tuning_ab.py all_gather 1M a: b:poll_max_bytes=1M --calls 100
     asynccoll run -n 4 benchmarks/tuning_ab.py all_reduce 16M a: b:min_segment_bytes=4M --calls 20
+    asynccoll run -n 2 benchmarks/tuning_ab.py reduce_scatter 16M off:reduce_on_read_bytes=1024G on:
 
 Each variant is ``NAME:FIELD=VALUE,...`` (sizes take K and M; an empty list is the default
 ``Tuning``). Every block sets the variant on all ranks (``Communicator.tuning``), runs a
@@ -40,7 +41,8 @@ def variant(text: str) -> tuple[str, asynccoll.Tuning]:
 
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("op", choices=("all_reduce", "all_gather", "broadcast", "barrier"))
+    p.add_argument("op", choices=("all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                  "barrier"))
     p.add_argument("nbytes", type=parse_size, help="all_gather: the gathered size")
     p.add_argument("variants", type=variant, nargs="+")
     p.add_argument("--calls", type=int, default=200, help="timed calls per block")

@@ -181,14 +181,17 @@ def tuning_fields(items: list[str]) -> dict[str, Any]:
 
 
 def asynccoll_op(comm: Any, op: str, nbytes: int) -> Callable[[], Awaitable[Any]]:
-    """One call of ``op`` (all_reduce, all_gather, broadcast from rank 0, barrier) on
-    ``comm`` over float32 buffers of ``nbytes`` (all_gather: the gathered output, written into
-    a preallocated buffer as the peers' are), the buffers allocated once, here."""
+    """One call of ``op`` (all_reduce, reduce_scatter, all_gather, broadcast from rank 0,
+    barrier) on ``comm`` over float32 buffers of ``nbytes`` (reduce_scatter: the input;
+    all_gather: the gathered output, written into a preallocated buffer as the peers' are),
+    the buffers allocated once, here."""
     cin, cout = shapes(op, nbytes, comm.world_size)
     a = np.zeros(cin, np.float32)
     out = np.zeros(cout, np.float32)
     if op == "all_reduce":
         return lambda: comm.all_reduce(a)
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(a)
     if op == "all_gather":
         return lambda: comm.all_gather(a, out=out)
     if op == "broadcast":

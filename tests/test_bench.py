@@ -155,6 +155,11 @@ def test_bench_plot(tmp_path: Path) -> None:
     ("tuning_ab.py", ["all_reduce", "256K", "off:spin_us=0", "on:", "--calls", "5",
                       "--blocks", "2"],
      r"on: median [\d.]+ us, [\d.]+ x off \(faster in \d of 2 blocks\)"),
+    ("tuning_ab.py", ["reduce_scatter", "4M", "a:", "b:small_bytes=8M", "--calls", "5",
+                      "--blocks", "2"],
+     r"b: median [\d.]+ us, [\d.]+ x a \(faster in \d of 2 blocks\)"),
+    ("profile_collective.py", ["reduce_scatter", "64K", "--iters", "40"],
+     r"reduce_scatter 65536 B x 2 ranks"),
 ])
 def test_profiling_scripts_run(script: str, args: list[str], expect: str) -> None:
     """The scripts docs/performance.md quotes figures from keep working."""

@@ -1176,6 +1176,29 @@ async def test_world_and_subgroup_collectives_in_flight_together(run, backend, t
 
 # ----------------------------------------------------------------- fresh, unaliased results
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_ring_reduce_scatter_result_outlives_later_calls(run, backend, world_size):
+    """The ring reduce_scatter's partial sums pass through the transport's scratch pool,
+    which later calls reuse; the block it returns does not: it stays intact."""
+    tuning = Tuning(small_bytes=-1, segment_bytes=4096, min_segment_bytes=1,
+                    crowded_segment_bytes=1)
+
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        n = 10_001
+        first = await comm.reduce_scatter(np.full(n, r + 1, np.int64))
+        kept = first.copy()
+        assert_exact(first, np.full(np.array_split(np.empty(n), w)[r].size, w * (w + 1) // 2))
+        for k in range(1, 4):
+            again = await comm.reduce_scatter(np.full(n, 100 * k + r, np.int64))
+            assert not np.shares_memory(first, again)
+            assert_exact(again, np.full(first.size, 100 * k * w + w * (w - 1) // 2))
+            assert_exact(first, kept)
+        assert not any(np.shares_memory(first, buf) for buf in comm.transport.scratch._free)
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 async def test_returned_arrays_are_writable_and_do_not_alias(run, backend, tuning, world_size):
     async def fn(comm: Communicator) -> tuple[list[np.ndarray], list[np.ndarray]]:
