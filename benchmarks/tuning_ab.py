@@ -3,7 +3,7 @@
     asynccoll run -n 4 benchmarks/tuning_ab.py all_reduce 1M off:spin_us=0 on:
     asynccoll run -n 4 benchmarks/tuning_ab.py all_gather 1M a: b:poll_max_bytes=1M --calls 100
     asynccoll run -n 4 benchmarks/tuning_ab.py all_reduce 16M a: b:min_segment_bytes=4M --calls 20
-    asynccoll run -n 2 benchmarks/tuning_ab.py reduce_scatter 16M off:reduce_on_read_bytes=1024G on:
+    asynccoll run -n 4 benchmarks/tuning_ab.py reduce_scatter 4M ring: direct:small_bytes=8M
 
 Each variant is ``NAME:FIELD=VALUE,...`` (sizes take K and M; an empty list is the default
 ``Tuning``). Every block sets the variant on all ranks (``Communicator.tuning``), runs a
