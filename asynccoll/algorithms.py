@@ -489,17 +489,18 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     # cache-sized piece at a time: see Tuning.reduce_on_read_bytes)
     spin = call.spins(flat.nbytes)
 
-    def receive(s: int, k: int, t: np.ndarray) -> Recv:
+    def receive(s: int, k: int, t: np.ndarray, a: int, b: int) -> Recv:
         partial = inplace and s < reduce_steps
         reduce_into = None
         if partial:
             assert op is not None
-            a, b = segments(*bounds[block(s)], nseg)[k]
             reduce_into = (flat[a:b], op)
         return call.post_recv(left, s * nseg + k, t, borrow=partial, spin=spin,
                               reduce_into=reduce_into)
 
-    posted = [[receive(s, k, t) for k, t in enumerate(targets(s))] for s in range(total)]
+    posted = [[receive(s, k, t, a, b) for k, (t, (a, b)) in
+               enumerate(zip(targets(s), segments(*bounds[block(s)], nseg), strict=True))]
+              for s in range(total)]
     ready = flat[:0]
     for s in range(total):
         start, stop = bounds[block(s)]
