@@ -324,6 +324,8 @@ class Recv:
             yields = t.yields
             pump = t.pump
             src = call.ranks[self.peer]
+            size = (self.into.nbytes if self.into is not None
+                    else self.reduce.nbytes if self.reduce is not None else None)
             while not fut.done() and time.perf_counter() < deadline:
                 # read the peer's socket directly a few times (no event-loop turn between:
                 # a turn costs more than a read); once something was read and the frame is
@@ -331,7 +333,7 @@ class Recv:
                 # loop to write them (the peer may be waiting for those)
                 read = False
                 for _ in range(POLL_READS):
-                    if pump(src):
+                    if pump(src, size):
                         read = True
                         break
                     if fut.done():

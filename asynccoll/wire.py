@@ -713,9 +713,15 @@ class BufferedFrameReader:
     #: pieces 1.33 x; benchmarks/receive_and_add.py)
     REDUCE_READ_BYTES: Final = 256 * 1024
 
-    def __init__(self, sink: PayloadSink | None = None, *, max_payload: int = 0) -> None:
+    def __init__(self, sink: PayloadSink | None = None, *, max_payload: int = 0,
+                 one_frame: bool = False) -> None:
         self.sink = sink
         self.max_payload = max_payload
+        #: return after each complete frame, leaving later bytes staged for the next call
+        #: (``buffer_updated(0)`` parses them): a handshake changes ``sink`` and
+        #: ``max_payload`` between one frame and the next, and the peer may write its first
+        #: frames right behind the handshake's last
+        self.one_frame = one_frame
         self._stage = bytearray(self.STAGE_BYTES)
         self._view = memoryview(self._stage)
         self._start = 0
@@ -809,6 +815,8 @@ class BufferedFrameReader:
                 self._pending = (kind, header, owner, view, take)
                 break
             frames.append(Frame(kind, header, owner))
+            if self.one_frame:
+                break
         if start == end:
             start = self._end = 0
         self._start = start

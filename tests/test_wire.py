@@ -795,3 +795,29 @@ def test_reduce_on_read_needs_a_flat_contiguous_array() -> None:
         wire.ReduceOnRead(np.zeros((2, 2)), np.add)
     with pytest.raises(ValueError, match="1-d C-contiguous"):
         wire.ReduceOnRead(np.zeros(8)[::2], np.add)
+
+
+def test_reader_one_frame_at_a_time_applies_later_settings_to_later_frames() -> None:
+    """With ``one_frame`` the reader hands over one frame per call and keeps the bytes
+    behind it; ``buffer_updated(0)`` parses them with whatever limit and sink were set in
+    between (a handshake's last frame and the first frames after it, read at once)."""
+    welcome = wire.Frame(FrameKind.WELCOME, FrameHeader(meta={}), b"")
+    payload = np.arange(4, dtype=np.float32).tobytes()
+    data = wire.Frame(FrameKind.DATA, FrameHeader(group=0, seq=1, step=1, src=1, dtype="<f4",
+                                                  shape=(4,), sig=("x",)), payload)
+    stream = wire.encode_frame_bytes(welcome) + wire.encode_frame_bytes(data) * 2
+    reader = wire.BufferedFrameReader(max_payload=0, one_frame=True)
+    reader.get_buffer()[:len(stream)] = stream
+    first = reader.buffer_updated(len(stream))
+    assert [f.kind for f in first] == [FrameKind.WELCOME] and not reader.idle
+    landed = bytearray(len(payload))
+    reader.max_payload, reader.one_frame = 1 << 20, False
+    reader.sink = lambda kind, header, n: memoryview(landed)
+    rest = reader.buffer_updated(0)
+    assert [f.kind for f in rest] == [FrameKind.DATA] * 2 and reader.idle
+    assert bytes(landed) == payload
+    # without the change in between, the payload breaks the handshake's limit of 0
+    reader = wire.BufferedFrameReader(max_payload=0)
+    reader.get_buffer()[:len(stream)] = stream
+    with pytest.raises(ProtocolError):
+        reader.buffer_updated(len(stream))

@@ -513,10 +513,12 @@ class Transport(abc.ABC):
     async def _close(self) -> None:
         """Release connections; called once."""
 
-    def pump(self, src: int) -> bool:
+    def pump(self, src: int, nbytes: int | None = None) -> bool:
         """Read what world rank ``src`` sent, now, without the event loop; whether anything
         was read. Frames read this way go through the mailbox exactly as the event loop's
-        reads do. Receives that poll call it (the default: nothing to read directly)."""
+        reads do. Receives that poll call it (the default: nothing to read directly);
+        ``nbytes``, when known, is the payload size awaited (a transport may carry small
+        and large frames on different connections)."""
         return False
 
     def flushed(self) -> bool:
