@@ -303,3 +303,34 @@ def test_startup_peers_are_symmetric(world_size: int) -> None:
         else:
             assert {(r + 1) % w, (r - 1) % w} <= peers[r]
             assert len(peers[r]) <= 4 * w.bit_length()
+
+
+async def test_a_world_beyond_the_mesh_connects_other_pairs_on_first_use() -> None:
+    """Above MESH_RANKS a world connects only the pairs its algorithms use at start-up;
+    any other pair connects when it first exchanges frames, in either order, and messages
+    that start on one connection and go on over another still arrive in order."""
+    w = MESH_RANKS + 2
+    comms = await tcp_local_world(w, token=TOKEN, timeout=60.0)
+    try:
+        ts = [c.transport for c in comms]
+        hi, lo = next((h, low) for h in range(w - 1, 0, -1) for low in range(h)
+                      if low not in startup_peers(h, w))
+        assert not _connections(ts[hi], lo)  # type: ignore[arg-type]
+        x = [np.full(1000, float(r)) for r in range(w)]
+        await asyncio.gather(*(c.all_reduce(a) for c, a in zip(comms, x, strict=True)))
+        assert all((a == sum(range(w))).all() for a in x)
+        await asyncio.gather(*(c.barrier() for c in comms))
+        # the higher rank sends first (on a connection it dials), then the lower one (which
+        # dials its own; the higher rank's later small frames go on that one)
+        first = [np.full(10, i) for i in range(5)]
+        await asyncio.gather(*(comms[hi].send(a, lo, tag=4) for a in first))
+        await comms[lo].send(np.arange(3), hi, tag=4)
+        np.testing.assert_array_equal(await comms[hi].recv(lo, tag=4), np.arange(3))
+        await _settle_until(lambda: lo in ts[hi]._pair)  # type: ignore[attr-defined]
+        later = [np.full(10, i) for i in range(5, 10)]
+        await asyncio.gather(*(comms[hi].send(a, lo, tag=4) for a in later))
+        for i in range(10):
+            np.testing.assert_array_equal(await comms[lo].recv(hi, tag=4), np.full(10, i))
+    finally:
+        for c in comms:
+            await c.close()
