@@ -803,8 +803,8 @@ class TcpTransport(Transport):
             task.cancel()
         # let cancelled dials close the sockets they opened
         await asyncio.gather(*stragglers, return_exceptions=True)
-        # every connection: one we dialled may be unused (its peer's came first), and one
-        # the peer dialled may be the one we send on
+        # every connection, the ones we dialled and the ones we accepted (which we may send
+        # on too, see the module's doc)
         conns = list(self._open)
         bye = encode_frame_bytes(Frame(FrameKind.BYE, FrameHeader(src=self.rank), b""))
         for conn in conns:
