@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -179,6 +180,14 @@ TUNINGS = {"default": None, "ring": RING, "tree": TREE}
 def tuning(request: pytest.FixtureRequest) -> Tuning | None:
     """Every preset of ``TUNINGS`` in turn (``None`` is the default :class:`Tuning`)."""
     return TUNINGS[request.param]
+
+
+async def settle_until(check: Callable[[], Any], seconds: float = 5.0) -> None:
+    """Let the event loop run until ``check()`` holds; fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
 
 
 class LogWatch(logging.Handler):

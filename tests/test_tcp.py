@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import LogWatch
+from conftest import LogWatch, settle_until
 
 import asynccoll
 from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
@@ -372,7 +372,7 @@ async def test_data_sent_before_a_peer_closes_still_arrives() -> None:
         await asyncio.sleep(0.05)
         await c0.send(data, dst=1, tag=5)
         await c0.close()
-        await _settle_until(lambda: extra.closed)  # rank 0's BYE came on it
+        await settle_until(lambda: extra.closed)  # rank 0's BYE came on it
         await asyncio.sleep(0.05)
         assert not receiving.done()
         pair.raw = raw
@@ -579,13 +579,6 @@ async def test_authenticated_peer_breaking_the_protocol(bad: str) -> None:
 
 # ------------------------------------------------------------------------ reading without the loop
 
-async def _settle_until(check: Any, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
-
-
 async def test_pump_reads_a_frame_without_an_event_loop_turn() -> None:
     """A polling receive reads its peer's socket itself (TcpTransport.pump): the frame is
     parsed, matched and lands in the posted buffer synchronously, exactly as the event loop's
@@ -624,10 +617,10 @@ async def test_flushed_while_a_large_frame_waits_to_be_written() -> None:
         assert t0.flushed() and t1.flushed()
         big = np.ones(32 << 20, np.uint8)  # more than the socket buffers hold
         sent = asyncio.ensure_future(c0.send(big, 1))
-        await _settle_until(lambda: not t0.flushed())
+        await settle_until(lambda: not t0.flushed())
         got = await c1.recv(0)
         await sent
-        await _settle_until(t0.flushed)
+        await settle_until(t0.flushed)
         assert got.nbytes == big.nbytes and got.all()
 
 
@@ -640,11 +633,11 @@ async def test_flushed_again_once_a_connection_with_unwritten_bytes_is_lost() ->
         await asyncio.gather(c0.barrier(), c1.barrier())
         big = np.ones(32 << 20, np.uint8)  # more than the socket buffers hold
         sent = asyncio.ensure_future(c0.send(big, 1))  # rank 1 never receives it
-        await _settle_until(lambda: not t0.flushed())
+        await settle_until(lambda: not t0.flushed())
         assert t0._unflushed == 1
         for conn in list(t1._open):
             conn.transport.abort()  # rank 1's side of every connection gone at once
-        await _settle_until(t0.flushed)
+        await settle_until(t0.flushed)
         assert t0._unflushed == 0
         with pytest.raises(asynccoll.CollectiveError):
             await asyncio.wait_for(sent, 10)
@@ -662,7 +655,7 @@ async def test_pump_leaves_a_lost_peer_to_the_event_loop() -> None:
         assert raw is not None
         for c in list(c1.transport._open):  # type: ignore[attr-defined]
             c._abort()  # an abrupt end, as when the process dies
-        await _settle_until(lambda: not t0.pump(1) and conn.closed)
+        await settle_until(lambda: not t0.pump(1) and conn.closed)
         assert conn.raw is None and raw.fileno() == -1
         assert 1 not in t0._in
         with pytest.raises(PeerLostError):

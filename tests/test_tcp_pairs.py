@@ -10,13 +10,16 @@ send right behind the handshake's last frame.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import settle_until
 
 from asynccoll import Communicator, PeerLostError
 from asynccoll.handshake import ServerHandshake
@@ -35,13 +38,6 @@ TOKEN = "pairs"
 
 def _connections(t: TcpTransport, peer: int) -> list[_Connection]:
     return [c for c in t._open if c.peer == peer and c.authenticated and not c.closed]
-
-
-async def _settle_until(check: Any, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -118,23 +114,30 @@ async def test_a_crowded_world_sends_on_connections_it_dialled(
             await c.close()
 
 
-async def _two_transports(**kwargs: Any) -> tuple[TcpTransport, TcpTransport]:
+@contextlib.asynccontextmanager
+async def _two_ranks(**kwargs: Any) -> AsyncIterator[tuple[Communicator, Communicator]]:
+    """Two TCP ranks that know each other's address and have not connected yet."""
     t0 = TcpTransport(0, 2, token=TOKEN, **kwargs)
     t1 = TcpTransport(1, 2, token=TOKEN, **kwargs)
-    for t in (t0, t1):
-        t.addresses[t.rank] = await t.listen("127.0.0.1", 0)
-    t0.addresses[1] = t1.addresses[1]
-    t1.addresses[0] = t0.addresses[0]
-    return t0, t1
+    c0 = Communicator(t0, timeout=20.0, backend="tcp")
+    c1 = Communicator(t1, timeout=20.0, backend="tcp")
+    try:
+        for t in (t0, t1):
+            t.addresses[t.rank] = await t.listen("127.0.0.1", 0)
+        t0.addresses[1] = t1.addresses[1]
+        t1.addresses[0] = t0.addresses[0]
+        yield c0, c1
+    finally:
+        await c0.close()
+        await c1.close()
 
 
 async def test_ranks_that_dial_each_other_at_once_keep_frames_in_order() -> None:
     """Both ranks dial at once: two connections. Same-tag messages, small and large (which
     go on different connections), arrive in the order they were sent, both ways."""
-    t0, t1 = await _two_transports()
-    c0 = Communicator(t0, timeout=20.0, backend="tcp")
-    c1 = Communicator(t1, timeout=20.0, backend="tcp")
-    try:
+    async with _two_ranks() as (c0, c1):
+        t0, t1 = c0.transport, c1.transport
+        assert isinstance(t0, TcpTransport) and isinstance(t1, TcpTransport)
         await asyncio.gather(t0.connect(1), t1.connect(0))
         assert len(_connections(t0, 1)) == 2 and len(_connections(t1, 0)) == 2
         assert t1._pair[0] is not t1._out[0]
@@ -153,16 +156,12 @@ async def test_ranks_that_dial_each_other_at_once_keep_frames_in_order() -> None
         a, b = np.ones(1 << 16), np.full(1 << 16, 2.0)
         await asyncio.gather(c0.all_reduce(a), c1.all_reduce(b))
         assert (a == 3).all() and (b == 3).all()
-    finally:
-        await c0.close()
-        await c1.close()
 
 
 async def test_a_rank_whose_lower_peer_never_dials_dials_it_itself() -> None:
-    t0, t1 = await _two_transports(handshake_timeout=0.3)
-    c0 = Communicator(t0, timeout=20.0, backend="tcp")
-    c1 = Communicator(t1, timeout=20.0, backend="tcp")
-    try:
+    async with _two_ranks(handshake_timeout=0.3) as (c0, c1):
+        t1 = c1.transport
+        assert isinstance(t1, TcpTransport)
         start = time.monotonic()
         await t1.connect_peers([0])  # rank 0 never calls connect_peers
         assert 0.25 < time.monotonic() - start < 3.0
@@ -170,9 +169,6 @@ async def test_a_rank_whose_lower_peer_never_dials_dials_it_itself() -> None:
         x, y = np.ones(8), np.ones(8)
         await asyncio.gather(c0.all_reduce(x), c1.all_reduce(y))
         assert (x == 2).all() and (y == 2).all()
-    finally:
-        await c0.close()
-        await c1.close()
 
 
 async def test_connect_peers_fails_fast_and_leaves_nothing_running() -> None:
@@ -204,12 +200,12 @@ async def test_writes_on_an_accepted_connection_count_in_flushed() -> None:
         assert isinstance(t1, TcpTransport)
         piece = np.arange(30_000, dtype=np.uint8)  # small: on the accepted connection
         sent = asyncio.gather(*(c1.send(piece, 0) for _ in range(600)))
-        await _settle_until(lambda: not t1.flushed())  # more than the socket buffers hold
+        await settle_until(lambda: not t1.flushed())  # more than the socket buffers hold
         assert t1._pair[0]._paused and 0 not in t1._out
         for _ in range(600):
             np.testing.assert_array_equal(await c0.recv(1), piece)
         await sent
-        await _settle_until(t1.flushed)
+        await settle_until(t1.flushed)
     finally:
         for c in comms:
             await c.close()
@@ -326,7 +322,7 @@ async def test_a_world_beyond_the_mesh_connects_other_pairs_on_first_use() -> No
         await asyncio.gather(*(comms[hi].send(a, lo, tag=4) for a in first))
         await comms[lo].send(np.arange(3), hi, tag=4)
         np.testing.assert_array_equal(await comms[hi].recv(lo, tag=4), np.arange(3))
-        await _settle_until(lambda: lo in ts[hi]._pair)  # type: ignore[attr-defined]
+        await settle_until(lambda: lo in ts[hi]._pair)  # type: ignore[attr-defined]
         later = [np.full(10, i) for i in range(5, 10)]
         await asyncio.gather(*(comms[hi].send(a, lo, tag=4) for a in later))
         for i in range(10):

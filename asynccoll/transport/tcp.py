@@ -238,7 +238,7 @@ class _Connection(asyncio.BufferedProtocol):
         connection, which the handshake frame before them sets up."""
         reader = self.reader
         frames = reader.buffer_updated(nbytes)
-        while frames and not self.closed and not self._closing():
+        while frames and not self._closing():
             self._on_frame(frames[0])  # the only one
             if self.authenticated:
                 reader.one_frame = False
