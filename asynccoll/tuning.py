@@ -76,6 +76,17 @@ class Tuning:
             all_reduce 1.18 x). 0 turns it off.
         spin_max_bytes: largest array (all_gather: gathered result) per rank whose symmetric
             collective spins (see ``spin_us``).
+        hand_over_bytes: with more ranks than cores, a rank of the direct all_gather (its
+            block) or of the doubling broadcast (the array) that has posted sends of at
+            least this many bytes gives its core to another rank once
+            (``os.sched_yield``) before it waits for the step's receive. Ranks sharing a
+            core otherwise settle into turns two calls long, and every other call a rank
+            makes then spans another rank's turn: the calls' times split into a fast and a
+            slow half (4 ranks on 2 cores, a 1 MiB all_gather: ~160 and ~560 us) and the
+            median lands between them. With turns one call long every call takes about
+            the mean (slowest rank's median 352-365 against 416-499 us, p90 ~430 against
+            ~570; the mean 0-5% higher: twice the context switches). ``1 << 62`` turns it
+            off.
         direct_all_reduce: when all_reduce above ``small_bytes`` uses the direct algorithm
             (every rank reduces its own block from all others, then sends it to all) instead
             of the ring: ``"lending"`` on transports that lend payloads in place (the
@@ -112,6 +123,7 @@ class Tuning:
     poll_max_bytes: int = 64 * 1024
     spin_us: int = 3000
     spin_max_bytes: int = 4 << 20
+    hand_over_bytes: int = 64 * 1024
     direct_all_reduce: str = "lending"
     direct_segment_bytes: int = 1 << 20
     reduce_chunk_bytes: int = 1 << 20
@@ -124,7 +136,7 @@ class Tuning:
                      "reduce_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("spin_us", "spin_max_bytes", "reduce_on_read_bytes"):
+        for name in ("spin_us", "spin_max_bytes", "hand_over_bytes", "reduce_on_read_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.direct_all_reduce not in ("lending", "always", "never"):

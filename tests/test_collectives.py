@@ -15,6 +15,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Coroutine
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,8 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 from asynccoll import CollectiveError, Communicator, ReduceOp
-from asynccoll.algorithms import Recv, poll_window
+from asynccoll import algorithms as algorithms_module
+from asynccoll.algorithms import Call, Recv, poll_window
 from asynccoll.transport import tcp as tcp_module
 from asynccoll.transport.tcp import TcpTransport, tcp_local_world, tcp_store_world, world_crowded
 from asynccoll.tuning import DIRECT, Tuning
@@ -546,6 +548,64 @@ async def test_symmetric_collectives_mark_their_receives_spin(run, monkeypatch):
     marks = {(what, spin) for what, nbytes, spin in seen if nbytes > tuning.poll_max_bytes}
     assert marks == {("all_reduce 1 MiB", True), ("all_reduce 2 MiB", False),
                      ("all_gather 1 MiB", True), ("broadcast 1 MiB", False)}
+
+
+def test_hand_over_yields_only_crowded_and_large(monkeypatch):
+    """Call.hand_over gives the core away (one sched_yield) only on a transport that yields
+    (more ranks than cores) and for sends of at least Tuning.hand_over_bytes."""
+    yielded = []
+    monkeypatch.setattr(algorithms_module.os, "sched_yield", lambda: yielded.append(1))
+    for yields, threshold, nbytes, expected in [
+            (False, 64 << 10, 1 << 20, 0), (True, 64 << 10, (64 << 10) - 1, 0),
+            (True, 64 << 10, 64 << 10, 1), (True, 0, 0, 1), (True, 1 << 62, 1 << 40, 0)]:
+        transport = SimpleNamespace(rank=0, polls=True, yields=yields)
+        call = Call(transport, (0, 1), 0, 0, 1, (), Tuning(hand_over_bytes=threshold))
+        yielded.clear()
+        call.hand_over(nbytes)
+        assert len(yielded) == expected, (yields, threshold, nbytes)
+    with pytest.raises(ValueError, match="hand_over_bytes"):
+        Tuning(hand_over_bytes=-1)
+
+
+@pytest.mark.timeout(60)
+async def test_crowded_all_gather_and_broadcast_hand_over(monkeypatch):
+    """With more ranks than cores, the direct all_gather hands the core over once per call
+    after posting its block, the doubling broadcast once per round in which a rank sends
+    or receives the array (not when it swaps tokens); results stay exact."""
+    monkeypatch.setattr(tcp_module, "_ranks_per_core", lambda: 2.0)
+    seen: list[tuple[str, int, int, bool]] = []
+    hand_over = Call.hand_over
+    label = ["?"]
+
+    def recorded(self: Call, nbytes: int) -> None:
+        seen.append((label[0], self.rank, nbytes, self.t.yields))
+        hand_over(self, nbytes)
+
+    monkeypatch.setattr(Call, "hand_over", recorded)
+    comms = await tcp_local_world(4)
+    try:
+        async def fn(comm: Communicator) -> tuple[np.ndarray, np.ndarray]:
+            label[0] = "all_gather"
+            gathered = await comm.all_gather(np.full(1 << 14, comm.rank, np.float32))
+            await comm.barrier()
+            label[0] = "broadcast"
+            a = (np.arange(1 << 16, dtype=np.float32) if comm.rank == 0
+                 else np.zeros(1 << 16, np.float32))
+            await comm.broadcast(a)
+            return gathered, a
+
+        results = await asyncio.gather(*(fn(c) for c in comms))
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+    for gathered, a in results:
+        assert_array_equal(gathered, np.repeat(np.arange(4, dtype=np.float32), 1 << 14))
+        assert_array_equal(a, np.arange(1 << 16, dtype=np.float32))
+    assert all(yields for *_, yields in seen)
+    assert all(nbytes >= Tuning().hand_over_bytes for _, _, nbytes, _ in seen)  # so it yields
+    assert sorted((what, rank, nbytes) for what, rank, nbytes, _ in seen) == sorted(
+        [("all_gather", r, 1 << 16) for r in range(4)]
+        # round 1: 0 sends to 1 (2 and 3 swap tokens); round 2: 0 -> 2, 1 -> 3
+        + [("broadcast", r, 1 << 18) for r in (0, 0, 1, 1, 2, 3)])
 
 
 @pytest.mark.parametrize(("local", "yields", "spins"),
