@@ -160,19 +160,19 @@ class Call:
         return await self.post_recv(peer, step, into, spin=spin).get(resize=resize)
 
     def hand_over(self, nbytes: int) -> None:
-        """Where ranks outnumber cores (``Transport.yields``), give this rank's core to
-        another rank once, after posting sends of ``nbytes`` and before waiting for the
-        step's receive, when ``nbytes`` is at least ``Tuning.hand_over_bytes``.
+        """Where every core is shared by two or more ranks (``Transport.hands_over``), give
+        this rank's core to another rank once, after posting a step's sends of ``nbytes``
+        and before waiting for the step's receive, when ``nbytes`` is at least
+        ``Tuning.hand_over_bytes``.
 
-        Two ranks sharing a core otherwise take turns a burst of two calls at a time: a rank
-        whose peers' data is already there receives it, posts the next call's sends, finds
-        that call's data there too (its peers posted it before they yielded) and runs on, so
-        every other call it makes spans the other rank's burst, and the calls' times split
-        into a fast and a slow half with the median in the gap between them. Handing over
-        after the sends makes the turns one call long and the calls alike, at about the
-        same mean.
+        Ranks sharing a core otherwise settle into turns two calls long: a rank whose peers'
+        data is already there receives it, posts the next call's sends, finds that call's
+        data there too (its peers posted it before they yielded) and runs on, so every other
+        call it makes spans another rank's turn, and the calls' times split into a fast and
+        a slow half with the median in the gap between them. Handing over after the sends
+        makes the turns one call long and the calls alike, at about the same mean.
         """
-        if self.t.yields and nbytes >= self.tuning.hand_over_bytes:
+        if self.t.hands_over and nbytes >= self.tuning.hand_over_bytes:
             os.sched_yield()
 
     def spins(self, nbytes: int) -> bool:
@@ -217,6 +217,7 @@ class Call:
         """Send ``arr`` to group rank ``peer`` and receive its array of ``step`` (of
         ``arr``'s dtype and shape) in exchange, the lean way (``payload_of``): a new array."""
         pending = self.post(peer, step, arr)
+        self.hand_over(arr.nbytes)
         got = await self.payload_of(peer, step, arr)
         if pending is not None:
             await pending
@@ -897,6 +898,7 @@ async def end_barrier(call: Call, step0: int, first: asyncio.Future[None] | None
     reads = POLL_READS if call.poll else 0
     pending = first
     k, dist = 0, 1
+    call.hand_over(0)  # after round 0's token went out (begin_barrier)
     while True:
         peer, step = ranks[(r - dist) % w], step0 + k
         expect = heads.data_head(_DATA, group, seq, step, 0, peer, _TOKEN_CODE, _TOKEN.shape,
@@ -914,6 +916,7 @@ async def end_barrier(call: Call, step0: int, first: asyncio.Future[None] | None
             return
         pending = t.post(ranks[(r + dist) % w], heads.data_head(
             _DATA, group, seq, step0 + k, 0, src, _TOKEN_CODE, _TOKEN.shape, sig, 0), _TOKEN_VIEW)
+        call.hand_over(0)
 
 
 async def dissemination_barrier(call: Call, step0: int = 0) -> None:

@@ -7,7 +7,8 @@
     asynccoll run -n 2 benchmarks/profile_collective.py all_gather 1M --iters 1024 --blocks 16 \
         --all-ranks
 
-Rank 0 prints the mean time per call and, with ``--profile``, the top ``--top`` rows (in
+Rank 0 prints the mean time per call (and its calls' median, 10th and 90th percentiles and
+CPU time per call) and, with ``--profile``, the top ``--top`` rows (in
 ``--sort`` order) of a cProfile of the timed loop. ``--no-poll`` sets ``Tuning(poll_us=0)``
 (the profile then shows work, not polling). ``--blocks N`` also prints, per block of
 ``--iters / N`` calls, the block's median time and the rank's core speed probe after it
@@ -98,8 +99,10 @@ async def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     if comm.rank == 0 or args.all_ranks:
+        p10, p50, p90 = (calls[min(len(calls) - 1, len(calls) * q // 10)] * 1e6
+                         for q in (1, 5, 9))
         print(f"{args.op} {args.nbytes} B x {comm.world_size} ranks: {dt * 1e6:.1f} us per call "
-              f"(median {calls[len(calls) // 2] * 1e6:.1f} us, CPU {cpu * 1e6:.1f} us)")
+              f"(median {p50:.1f} us, p10 {p10:.1f}, p90 {p90:.1f}, CPU {cpu * 1e6:.1f} us)")
         if probes:
             pairs = zip(blocks, probes, strict=True)
             print("blocks (median/probe us): "

@@ -550,70 +550,92 @@ async def test_symmetric_collectives_mark_their_receives_spin(run, monkeypatch):
                      ("all_gather 1 MiB", True), ("broadcast 1 MiB", False)}
 
 
-def test_hand_over_yields_only_crowded_and_large(monkeypatch):
-    """Call.hand_over gives the core away (one sched_yield) only on a transport that yields
-    (more ranks than cores) and for sends of at least Tuning.hand_over_bytes."""
+def test_hand_over_yields_only_where_cores_are_shared(monkeypatch):
+    """Call.hand_over gives the core away (one sched_yield) only on a transport that
+    hands_over (two or more ranks per core) and for sends of at least
+    Tuning.hand_over_bytes (by default every send)."""
     yielded = []
     monkeypatch.setattr(algorithms_module.os, "sched_yield", lambda: yielded.append(1))
-    for yields, threshold, nbytes, expected in [
-            (False, 64 << 10, 1 << 20, 0), (True, 64 << 10, (64 << 10) - 1, 0),
-            (True, 64 << 10, 64 << 10, 1), (True, 0, 0, 1), (True, 1 << 62, 1 << 40, 0)]:
-        transport = SimpleNamespace(rank=0, polls=True, yields=yields)
+    for hands_over, threshold, nbytes, expected in [
+            (False, 0, 1 << 20, 0), (True, 0, 0, 1), (True, 0, 8, 1),
+            (True, 64 << 10, (64 << 10) - 1, 0), (True, 64 << 10, 64 << 10, 1),
+            (True, 1 << 62, 1 << 40, 0)]:
+        transport = SimpleNamespace(rank=0, polls=True, hands_over=hands_over)
         call = Call(transport, (0, 1), 0, 0, 1, (), Tuning(hand_over_bytes=threshold))
         yielded.clear()
         call.hand_over(nbytes)
-        assert len(yielded) == expected, (yields, threshold, nbytes)
+        assert len(yielded) == expected, (hands_over, threshold, nbytes)
+    assert Tuning().hand_over_bytes == 0
     with pytest.raises(ValueError, match="hand_over_bytes"):
         Tuning(hand_over_bytes=-1)
 
 
 @pytest.mark.timeout(60)
-async def test_crowded_all_gather_and_broadcast_hand_over(monkeypatch):
-    """With more ranks than cores, the direct all_gather hands the core over once per call
-    after posting its block, the doubling broadcast once per round in which a rank sends
-    or receives the array (not when it swaps tokens); results stay exact."""
+async def test_shared_cores_hand_over_after_each_steps_sends(monkeypatch):
+    """With two ranks per core, a rank hands its core over after posting each step's sends:
+    the direct all_gather once per call (its block), the barrier after each round's token,
+    recursive doubling after each pair's swap, the doubling broadcast in each round (the
+    array where a rank sends or receives it, a token where it swaps tokens). Results stay
+    exact."""
     monkeypatch.setattr(tcp_module, "_ranks_per_core", lambda: 2.0)
-    seen: list[tuple[str, int, int, bool]] = []
+    seen: list[tuple[str, int, int]] = []
     hand_over = Call.hand_over
-    label = ["?"]
+    label = ["?"] * 4  # what each rank is in
 
     def recorded(self: Call, nbytes: int) -> None:
-        seen.append((label[0], self.rank, nbytes, self.t.yields))
+        assert self.t.hands_over
+        seen.append((label[self.rank], self.rank, nbytes))
         hand_over(self, nbytes)
 
     monkeypatch.setattr(Call, "hand_over", recorded)
     comms = await tcp_local_world(4)
+    n = 1 << 14
     try:
-        async def fn(comm: Communicator) -> tuple[np.ndarray, np.ndarray]:
-            label[0] = "all_gather"
-            gathered = await comm.all_gather(np.full(1 << 14, comm.rank, np.float32))
+        async def fn(comm: Communicator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r = comm.rank
+            label[r] = "all_gather"
+            gathered = await comm.all_gather(np.full(n, r, np.float32))
             await comm.barrier()
-            label[0] = "broadcast"
-            a = (np.arange(1 << 16, dtype=np.float32) if comm.rank == 0
-                 else np.zeros(1 << 16, np.float32))
+            label[r] = "all_reduce"
+            summed = np.full(2, r + 1, np.int64)
+            await comm.all_reduce(summed)
+            await comm.barrier()
+            label[r] = "broadcast"
+            a = (np.arange(4 * n, dtype=np.float32) if comm.rank == 0
+                 else np.zeros(4 * n, np.float32))
             await comm.broadcast(a)
-            return gathered, a
+            return gathered, summed, a
 
         results = await asyncio.gather(*(fn(c) for c in comms))
     finally:
         await asyncio.gather(*(c.close() for c in comms))
-    for gathered, a in results:
-        assert_array_equal(gathered, np.repeat(np.arange(4, dtype=np.float32), 1 << 14))
-        assert_array_equal(a, np.arange(1 << 16, dtype=np.float32))
-    assert all(yields for *_, yields in seen)
-    assert all(nbytes >= Tuning().hand_over_bytes for _, _, nbytes, _ in seen)  # so it yields
-    assert sorted((what, rank, nbytes) for what, rank, nbytes, _ in seen) == sorted(
-        [("all_gather", r, 1 << 16) for r in range(4)]
-        # round 1: 0 sends to 1 (2 and 3 swap tokens); round 2: 0 -> 2, 1 -> 3
-        + [("broadcast", r, 1 << 18) for r in (0, 0, 1, 1, 2, 3)])
+    for gathered, summed, a in results:
+        assert_array_equal(gathered, np.repeat(np.arange(4, dtype=np.float32), n))
+        assert_array_equal(summed, [10, 10])
+        assert_array_equal(a, np.arange(4 * n, dtype=np.float32))
+
+    def of(what: str) -> list[tuple[int, int]]:
+        return sorted((rank, nbytes) for w, rank, nbytes in seen if w == what)
+
+    # all_gather: one per rank with its 64 KiB block, then the barrier's 2 rounds' tokens
+    assert of("all_gather") == sorted([(r, 4 * n) for r in range(4)]
+                                      + [(r, 0) for r in range(4) for _ in range(2)])
+    # all_reduce: 2 swaps of 16 bytes per rank, then the barrier's tokens
+    assert of("all_reduce") == sorted([(r, 16) for r in range(4) for _ in range(2)]
+                                      + [(r, 0) for r in range(4) for _ in range(2)])
+    # broadcast: round 1, 0 sends to 1 while 2 and 3 swap tokens; round 2, 0 -> 2, 1 -> 3
+    assert of("broadcast") == sorted([(r, 16 * n) for r in (0, 0, 1, 1, 2, 3)]
+                                     + [(2, 0), (3, 0)])
 
 
-@pytest.mark.parametrize(("local", "yields", "spins"),
-                         [(None, False, False), ("2", False, False), ("3", True, True),
-                          ("4", True, True), ("5", True, False), ("8", True, False)])
-async def test_tcp_ranks_per_core(monkeypatch, local, yields, spins):
-    """On 2 cores: polls yield the core with more ranks than cores, and symmetric
-    collectives' larger receives spin with at most two ranks per core."""
+@pytest.mark.parametrize(("local", "yields", "spins", "hands_over"),
+                         [(None, False, False, False), ("2", False, False, False),
+                          ("3", True, True, False), ("4", True, True, True),
+                          ("5", True, False, True), ("8", True, False, True)])
+async def test_tcp_ranks_per_core(monkeypatch, local, yields, spins, hands_over):
+    """On 2 cores: polls yield the core with more ranks than cores, symmetric collectives'
+    larger receives spin with at most two ranks per core, and ranks hand their core over
+    after a step's sends with two or more per core."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("ASYNCCOLL_LOCAL_WORLD_SIZE", raising=False)
     if local is None:
@@ -621,7 +643,7 @@ async def test_tcp_ranks_per_core(monkeypatch, local, yields, spins):
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     t = TcpTransport(0, 2)
-    assert (t.yields, t.spins) == (yields, spins)
+    assert (t.yields, t.spins, t.hands_over) == (yields, spins, hands_over)
 
 
 def test_world_crowded_from_the_roster():

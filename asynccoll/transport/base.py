@@ -469,6 +469,9 @@ class Transport(abc.ABC):
         #: whether, yielding, the larger receives of symmetric algorithms poll too (at most
         #: two ranks per core here; see Tuning.spin_us)
         self.spins = False
+        #: whether a rank hands its core over after posting a step's sends (at least two
+        #: ranks per core here, so every core is shared; see Tuning.hand_over_bytes)
+        self.hands_over = False
         #: whether some rank of the world shares a core with another rank (ranks outnumber
         #: the cores of a machine): segments grow (Tuning.crowded_segment_bytes). It changes
         #: what goes on the wire, so every rank must hold the same value: a transport sets it

@@ -517,6 +517,7 @@ class TcpTransport(Transport):
         per_core = _ranks_per_core()
         self.yields = per_core > 1
         self.spins = 1 < per_core <= 2
+        self.hands_over = per_core >= 2
         self._told_socket_trouble = False
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
