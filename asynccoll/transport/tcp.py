@@ -215,7 +215,6 @@ class _Connection(asyncio.BufferedProtocol):
             transport.write(encode_frame_bytes(self._client.hello()))
         else:
             self._server = ServerHandshake(owner.token, job=owner.job)
-            owner._incoming.add(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer()
@@ -497,7 +496,6 @@ class TcpTransport(Transport):
         self._queued: dict[int, list[tuple[bytes, memoryview | None, asyncio.Future[None]]]] = {}
         #: connections whose writes wait in the event loop (see _Connection._set_paused)
         self._unflushed = 0
-        self._incoming: set[_Connection] = set()
         #: per peer, the connection its small frames arrive on and the one its large frames
         #: arrive on (PAIR_FRAME_BYTES), which polled receives read directly
         self._in: dict[int, _Connection] = {}
@@ -742,7 +740,6 @@ class TcpTransport(Transport):
     # -- failures -------------------------------------------------------------------------
 
     def _connection_lost(self, conn: _Connection, exc: Exception | None) -> None:
-        self._incoming.discard(conn)
         if conn.outgoing and self._out.get(conn.peer) is conn:  # type: ignore[arg-type]
             del self._out[conn.peer]  # type: ignore[arg-type]
         if not conn.authenticated or self._closed or conn.peer is None:
@@ -773,8 +770,8 @@ class TcpTransport(Transport):
             if dst == self.rank or self._unreachable(dst) is not None:
                 continue
             conn = self._out.get(dst)
-            if conn is None or conn.closed:  # the peer's own connection to us works too
-                conn = next((c for c in self._incoming
+            if conn is None or conn.closed:  # any other connection with it works too
+                conn = next((c for c in self._open
                              if c.peer == dst and c.authenticated and not c.closed), None)
             if conn is not None:
                 conn.write(data, None)
