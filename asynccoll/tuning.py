@@ -80,17 +80,19 @@ class Tuning:
             (``Transport.hands_over``), a rank that has posted a step's sends of at least
             this many bytes gives its core to another rank once (``os.sched_yield``) before
             it waits for the step's receive: after each swap of recursive doubling, each
-            round of the barrier and of the doubling broadcast, and the direct all_gather's
-            sends. Ranks sharing a core otherwise settle into turns two calls long, and every
-            other call a rank makes then spans another rank's turn: the calls' times split
-            into a fast and a slow half (4 ranks on 2 cores: a 1 MiB all_gather ~160 and
-            ~560 us, an 8-byte all_reduce ~30 and ~125 us) and the median lands between
-            them. With turns one call long the calls take about the mean: 4 ranks on 2
-            cores, slowest rank's median 0.75-0.85 x the time for a 1 MiB all_gather (p90
-            0.7-0.8 x), 0.8-0.9 x for an 8-byte all_reduce and the barrier, 0.9 x for a 1 MiB
-            broadcast, with means level to 7% higher (twice the context switches). With 3
-            ranks on 2 cores (a core to one rank) small all_reduces lost, so it is off
-            there. 0 (the default): every send; ``1 << 62`` turns it off.
+            round of the barrier and of the doubling broadcast, the direct all_gather's
+            sends, and the ring's first sends (once per call). Ranks sharing a core
+            otherwise settle into turns two calls long, and every other call a rank makes
+            then spans another rank's turn: the calls' times split into a fast and a slow
+            half (4 ranks on 2 cores: a 1 MiB all_gather ~160 and ~560 us, an 8-byte
+            all_reduce ~30 and ~125 us) and the median lands between them. With turns one
+            call long the calls take about the mean: 4 ranks on 2 cores, slowest rank's
+            median 0.75-0.85 x the time for a 1 MiB all_gather (p90 0.7-0.8 x), 0.8-0.9 x
+            for an 8-byte all_reduce and the barrier, 0.9 x for a 1 MiB broadcast, with
+            means level to 7% higher (twice the context switches); the ring's 4 MiB
+            all_reduce and 1 MiB reduce_scatter 0.85-0.9 x in median and mean (16 MiB
+            level). With 3 ranks on 2 cores (a core to one rank) small all_reduces lost, so
+            it is off there. 0 (the default): every send; ``1 << 62`` turns it off.
         direct_all_reduce: when all_reduce above ``small_bytes`` uses the direct algorithm
             (every rank reduces its own block from all others, then sends it to all) instead
             of the ring: ``"lending"`` on transports that lend payloads in place (the

@@ -27,7 +27,7 @@ from asynccoll import algorithms as algorithms_module
 from asynccoll.algorithms import Call, Recv, poll_window
 from asynccoll.transport import tcp as tcp_module
 from asynccoll.transport.tcp import TcpTransport, tcp_local_world, tcp_store_world, world_crowded
-from asynccoll.tuning import DIRECT, Tuning
+from asynccoll.tuning import DIRECT, RING, Tuning
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 MULTI = [2, 3, 4, 5, 8]  # world sizes for calls that need a peer
@@ -626,6 +626,43 @@ async def test_shared_cores_hand_over_after_each_steps_sends(monkeypatch):
     # broadcast: round 1, 0 sends to 1 while 2 and 3 swap tokens; round 2, 0 -> 2, 1 -> 3
     assert of("broadcast") == sorted([(r, 16 * n) for r in (0, 0, 1, 1, 2, 3)]
                                      + [(2, 0), (3, 0)])
+
+
+@pytest.mark.timeout(60)
+async def test_shared_cores_ring_hands_over_once_per_call(monkeypatch):
+    """The ring (all_reduce, all_gather) hands the core over once per call, after its first
+    sends (the block each rank starts with), where every core is shared."""
+    monkeypatch.setattr(tcp_module, "_ranks_per_core", lambda: 2.0)
+    seen: list[tuple[str, int, int]] = []
+    hand_over = Call.hand_over
+    label = ["?"] * 4
+
+    def recorded(self: Call, nbytes: int) -> None:
+        seen.append((label[self.rank], self.rank, nbytes))
+        hand_over(self, nbytes)
+
+    monkeypatch.setattr(Call, "hand_over", recorded)
+    comms = await tcp_local_world(4, tuning=RING)
+    try:
+        async def fn(comm: Communicator) -> tuple[np.ndarray, np.ndarray]:
+            r = comm.rank
+            label[r] = "all_reduce"
+            a = np.arange(40, dtype=np.float32) * (r + 1)
+            await comm.all_reduce(a)
+            label[r] = "all_gather"
+            return a, await comm.all_gather(np.full(6, r, np.int32))
+
+        results = await asyncio.gather(*(fn(c) for c in comms))
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+    for a, gathered in results:
+        assert_array_equal(a, np.arange(40, dtype=np.float32) * 10)
+        assert_array_equal(gathered, np.repeat(np.arange(4, dtype=np.int32), 6))
+    # 40 floats over 4 ranks: 10 a block; the all_gather's block is 6 int32
+    assert sorted(x for x in seen if x[0] == "all_reduce") == [
+        ("all_reduce", r, 40) for r in range(4)]
+    assert sorted(x for x in seen if x[0] == "all_gather") == [
+        ("all_gather", r, 24) for r in range(4)]
 
 
 @pytest.mark.parametrize(("local", "yields", "spins", "hands_over"),
