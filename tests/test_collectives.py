@@ -570,17 +570,15 @@ def test_hand_over_yields_only_where_cores_are_shared(monkeypatch):
         Tuning(hand_over_bytes=-1)
 
 
-@pytest.mark.timeout(60)
-async def test_shared_cores_hand_over_after_each_steps_sends(monkeypatch):
-    """With two ranks per core, a rank hands its core over after posting each step's sends:
-    the direct all_gather once per call (its block), the barrier after each round's token,
-    recursive doubling after each pair's swap, the doubling broadcast in each round (the
-    array where a rank sends or receives it, a token where it swaps tokens). Results stay
-    exact."""
+def _record_hand_overs(monkeypatch: pytest.MonkeyPatch, ranks: int
+                       ) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """Two ranks per core for the TCP worlds made next, and every ``Call.hand_over``
+    recorded as ``(label, group rank, nbytes)`` in the list returned first, the label being
+    what that rank last wrote into the list returned second (one entry per rank)."""
     monkeypatch.setattr(tcp_module, "_ranks_per_core", lambda: 2.0)
     seen: list[tuple[str, int, int]] = []
+    label = ["?"] * ranks  # what each rank is in
     hand_over = Call.hand_over
-    label = ["?"] * 4  # what each rank is in
 
     def recorded(self: Call, nbytes: int) -> None:
         assert self.t.hands_over
@@ -588,6 +586,17 @@ async def test_shared_cores_hand_over_after_each_steps_sends(monkeypatch):
         hand_over(self, nbytes)
 
     monkeypatch.setattr(Call, "hand_over", recorded)
+    return seen, label
+
+
+@pytest.mark.timeout(60)
+async def test_shared_cores_hand_over_after_each_steps_sends(monkeypatch):
+    """With two ranks per core, a rank hands its core over after posting each step's sends:
+    the direct all_gather once per call (its block), the barrier after each round's token,
+    recursive doubling after each pair's swap, the doubling broadcast in each round (the
+    array where a rank sends or receives it, a token where it swaps tokens). Results stay
+    exact."""
+    seen, label = _record_hand_overs(monkeypatch, 4)
     comms = await tcp_local_world(4)
     n = 1 << 14
     try:
@@ -632,16 +641,7 @@ async def test_shared_cores_hand_over_after_each_steps_sends(monkeypatch):
 async def test_shared_cores_ring_hands_over_once_per_call(monkeypatch):
     """The ring (all_reduce, all_gather) hands the core over once per call, after its first
     sends (the block each rank starts with), where every core is shared."""
-    monkeypatch.setattr(tcp_module, "_ranks_per_core", lambda: 2.0)
-    seen: list[tuple[str, int, int]] = []
-    hand_over = Call.hand_over
-    label = ["?"] * 4
-
-    def recorded(self: Call, nbytes: int) -> None:
-        seen.append((label[self.rank], self.rank, nbytes))
-        hand_over(self, nbytes)
-
-    monkeypatch.setattr(Call, "hand_over", recorded)
+    seen, label = _record_hand_overs(monkeypatch, 4)
     comms = await tcp_local_world(4, tuning=RING)
     try:
         async def fn(comm: Communicator) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -547,6 +547,10 @@ class TcpTransport(Transport):
         self._out.pop(peer, None)
         self._pair.pop(peer, None)
 
+    def _live_connections(self, peer: int) -> Iterator[_Connection]:
+        """The open, authenticated connections with ``peer`` (either direction)."""
+        return (c for c in self._open if c.peer == peer and c.authenticated and not c.closed)
+
     def _forget(self, conn: _Connection) -> None:
         """``conn`` closed: drop it from where it was looked up; a polled receive reads the
         peer's other connection, if any."""
@@ -558,10 +562,9 @@ class TcpTransport(Transport):
             del self._in_large[peer]
         if self._in.get(peer) is conn:
             del self._in[peer]
-            for other in self._open:
-                if other.peer == peer and other.authenticated and other.raw is not None:
-                    self._in[peer] = other
-                    break
+            other = next((c for c in self._live_connections(peer) if c.raw is not None), None)
+            if other is not None:
+                self._in[peer] = other
 
     def _unreachable(self, dst: int) -> CollectiveError | None:
         """Why nothing can be sent to ``dst`` any more (lost, or closed its communicator)."""
@@ -753,8 +756,7 @@ class TcpTransport(Transport):
             # its BYE comes last (a rank returns from a collective with the tail of its data
             # still queued; it is flushed on close): receives from it fail only once every
             # connection with it is closed, not when the first one is.
-            if not any(c.peer == peer and c.authenticated and not c.closed
-                       for c in self._open):
+            if next(self._live_connections(peer), None) is None:
                 self.mailbox.peer_lost(peer, err)
             return
         reason = f": {exc}" if exc else ""
@@ -771,8 +773,7 @@ class TcpTransport(Transport):
                 continue
             conn = self._out.get(dst)
             if conn is None or conn.closed:  # any other connection with it works too
-                conn = next((c for c in self._open
-                             if c.peer == dst and c.authenticated and not c.closed), None)
+                conn = next(self._live_connections(dst), None)
             if conn is not None:
                 conn.write(data, None)
             elif dst in self.addresses:
