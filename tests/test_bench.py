@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +127,38 @@ def test_receive_and_add_compares_both_ways() -> None:
         proc.stdout
 
 
+_BARE_LINE = (r"^\[(\d)\] mean [\d.]+ us, median [\d.]+ us, CPU per call: user [\d.]+ us, "
+              r"system [\d.]+ us")
+
+
+def test_bare_all_gather_bound() -> None:
+    """benchmarks/bare_all_gather.py (the bare-socket bound docs/performance.md quotes) runs
+    its ranks over loopback, checks what they gathered, and every rank reports."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bare_all_gather.py"), "-n", "3", "--size",
+         "1M", "--iters", "30", "--warmup", "5"],
+        capture_output=True, text=True, timeout=60, env=_env(), check=True)
+    ranks = sorted(m.group(1) for line in proc.stdout.splitlines()
+                   if (m := re.match(_BARE_LINE + r"; sends [\d.]+ us, the rest", line)))
+    assert ranks == ["0", "1", "2"], proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
+                    reason="needs mpirun and mpi4py")
+def test_bare_all_gather_mpi() -> None:
+    """Its ``--mpi`` mode times Open MPI's Allgather under mpirun, the same figures per rank."""
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--mca", "btl", "tcp,self"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    proc = subprocess.run(
+        [*cmd, sys.executable, str(ROOT / "benchmarks" / "bare_all_gather.py"), "--mpi",
+         "--size", "64K", "--iters", "30", "--warmup", "5"],
+        capture_output=True, text=True, timeout=60, env=_env(), check=True)
+    ranks = sorted(m.group(1) for line in proc.stdout.splitlines()
+                   if (m := re.match(_BARE_LINE + "$", line)))
+    assert ranks == ["0", "1"], proc.stdout + proc.stderr
+
+
 def _is_png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == \
         b"\x89PNG\r\n\x1a\n"
@@ -143,7 +177,8 @@ def test_bench_plot(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script, args, expect", [
     ("profile_collective.py", ["all_reduce", "8", "--iters", "50", "--all-ranks", "--tuning",
-                               "poll_us=100"], r"all_reduce 8 B x 2 ranks: .* CPU [\d.]+ us"),
+                               "poll_us=100"],
+     r"all_reduce 8 B x 2 ranks: .* CPU [\d.]+ us: user [\d.]+, system [\d.]+\)"),
     ("profile_collective.py", ["barrier", "0", "--iters", "50", "--pin", "spread"],
      r"barrier 0 B x 2 ranks"),
     ("profile_collective.py", ["all_reduce", "8", "--iters", "50", "--profile", "--sort",
