@@ -151,12 +151,21 @@ def bare(n: int, per: int, iters: int, warmup: int) -> int:
         if pid == 0:
             code = 0
             try:
+                # only this rank's ends stay open here, so that a rank that fails closes its
+                # connections and the others see the end of the stream instead of waiting
+                for other in range(n):
+                    if other != r:
+                        for s in conns[other].values():
+                            s.close()
                 bare_rank(r, n, per, iters, warmup, conns[r], hand_over)
             except BaseException as exc:  # reported here; the exit code tells the parent
                 print(f"[{r}] failed: {exc!r}", file=sys.stderr, flush=True)
                 code = 1
             os._exit(code)
         children.append(pid)
+    for ends in conns:
+        for s in ends.values():
+            s.close()
     failed = 0
     for pid in children:
         _, status = os.waitpid(pid, 0)
