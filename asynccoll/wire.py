@@ -880,6 +880,12 @@ class BufferedFrameReader:
         return payload
 
     @property
+    def filling(self) -> memoryview | None:
+        """The buffer the payload being read goes into (``None`` between payloads, or while a
+        payload is reduced as it is read)."""
+        return self._pending[3] if self._pending is not None else None
+
+    @property
     def idle(self) -> bool:
         """True at a frame boundary with nothing buffered (a clean place for EOF)."""
         return self._pending is None and self._start == self._end

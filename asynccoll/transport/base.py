@@ -224,6 +224,13 @@ class Mailbox:
         """Whether a receive for ``key`` is posted."""
         return key in self._posted
 
+    def untouched(self, key: Key) -> bool:
+        """Whether nothing is known of ``key`` yet: no frame kept, no receive posted, no
+        failure that concerns it (a transport may then read its frame itself, see
+        ``Transport.take_direct``)."""
+        return (self._error is None and key not in self._early and key not in self._posted
+                and key[0] not in self._lost)
+
     def post(self, key: Key, into: memoryview | None, sig: tuple[Any, ...] | None,
              borrow: bool = False, reduce: ReduceOnRead | None = None
              ) -> asyncio.Future[Frame]:
@@ -487,6 +494,9 @@ class Transport(abc.ABC):
         #: what losing a peer does: ``"abort"`` breaks the world, ``"isolate"`` fails only
         #: what involves that peer (transports that support it: tcp)
         self.peer_loss = "abort"
+        #: whether ``take_direct`` reads awaited frames off the wire itself (tcp); elsewhere
+        #: it posts the receives
+        self.reads_direct = False
         #: encoded DATA headers of recurring collectives (see HeadCache)
         self.heads = HeadCache()
         #: scratch buffers of collectives, kept between calls (see asynccoll.scratch)
@@ -529,6 +539,23 @@ class Transport(abc.ABC):
         for the event loop to be written). A receive that polls may keep reading without
         giving the loop a turn only while this holds."""
         return True
+
+    async def take_direct(self, want: Sequence[tuple[Key, bytes, memoryview]],
+                          sig: tuple[Any, ...], window: float
+                          ) -> list[asyncio.Future[Frame] | None]:
+        """Receive several frames at once, each ``(key, head, into)``: ``head`` is the head
+        (prefix and header) the frame will have if its sender encodes it canonically (see
+        ``HeadCache``), ``into`` where its payload goes. Per frame, ``None`` when its payload
+        is in ``into`` already, else the future of a receive posted as ``post_recv(key,
+        into, sig)`` (which completes, and is checked, the usual way).
+
+        A transport that reads the wire itself (``reads_direct``) polls for up to ``window``
+        seconds and takes each frame whose bytes are exactly ``head`` and a payload of
+        ``into``'s size straight into ``into``: no decoding, no mailbox, no frame object
+        (equal bytes decode to the expected header, signature included). Anything else, and
+        whatever is not there in time, goes the usual way. This default posts every receive.
+        """
+        return [self.post_recv(key, into, sig) for key, _, into in want]
 
     def poll_payload(self, key: Key, sig: tuple[Any, ...], reads: int, expect: bytes | None,
                      nbytes: int) -> Any:

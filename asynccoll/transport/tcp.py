@@ -26,7 +26,13 @@ drained (``None`` when the kernel took everything at once).
 
 A receive that polls reads the connection its peer sends on itself (``TcpTransport.pump``,
 through a duplicate of the socket's descriptor), so a small frame is handled without waiting
-for an event-loop turn.
+for an event-loop turn. ``TcpTransport.take_direct`` goes further for frames whose exact
+bytes the receiver can predict (the direct all_gather's blocks): it reads each frame's head
+into a buffer of its own and compares it with the head the sender's ``HeadCache`` encodes,
+then reads the payload straight into the array, with no decoding, mailbox or frame object in
+between; a frame that is not the expected one, or not there in time, is handed back to the
+connection's reader with whatever was read of it, so that the event loop, which reads the
+same socket whenever it runs, always finds the stream where the reader thinks it is.
 
 Failures: a connection of an authenticated peer that ends without a BYE frame means the peer
 died; the world is aborted with ``PeerLostError`` naming it and every
@@ -43,13 +49,14 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._aio import close_server, wait_server_closed
-from ..algorithms import power_of_two_fold
+from ..algorithms import POLL_READS, power_of_two_fold
 from ..collectives import Communicator
 from ..errors import (
     AuthenticationError,
@@ -167,6 +174,60 @@ def _tune_socket(sock: socket.socket | None) -> str | None:
             return (f"cannot set TCP congestion control {algorithm!r} "
                     f"({exc.strerror or exc}); keeping the system's")
     return None
+
+
+#: what one ``_Direct.read`` did
+_MOVED, _DONE, _NOTHING, _GIVE_UP = object(), object(), object(), object()
+
+
+class _Direct:
+    """A frame ``TcpTransport.take_direct`` reads itself: its head into ``head_buf``, its
+    payload into ``into``."""
+
+    __slots__ = ("conn", "head", "head_buf", "head_got", "index", "into", "key", "payload_got")
+
+    def __init__(self, index: int, conn: _Connection, key: Key, head: bytes,
+                 into: memoryview) -> None:
+        self.index = index
+        self.conn = conn
+        self.key = key
+        self.head = head
+        self.into = into
+        self.head_buf = bytearray(len(head))
+        self.head_got = 0
+        self.payload_got = 0
+
+    @property
+    def started(self) -> bool:
+        return self.head_got > 0
+
+    def read(self) -> object:
+        """One non-blocking read: ``_MOVED`` (bytes came), ``_DONE`` (the frame is whole in
+        ``into``), ``_NOTHING``, or ``_GIVE_UP`` (not the expected frame, the end of the
+        stream or an error: the event loop sees the latter two as well)."""
+        raw = self.conn.raw
+        if raw is None or self.conn.closed:
+            return _GIVE_UP
+        head, got = self.head, self.head_got
+        size = len(head)
+        try:
+            if got < size:
+                n = raw.recv_into(memoryview(self.head_buf)[got:], size - got)
+            else:
+                n = raw.recv_into(self.into[self.payload_got:])
+        except BlockingIOError:
+            return _NOTHING
+        except OSError:
+            return _GIVE_UP
+        if not n:
+            return _GIVE_UP
+        if got < size:
+            got = self.head_got = got + n
+            if self.head_buf[:got] != head[:got]:
+                return _GIVE_UP
+            return _DONE if got == size and not self.into.nbytes else _MOVED
+        self.payload_got += n
+        return _DONE if self.payload_got == self.into.nbytes else _MOVED
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -512,6 +573,7 @@ class TcpTransport(Transport):
         self._on_close: list[Callable[[], Any]] = []
         self.polls = True
         self.reduces_on_read = True
+        self.reads_direct = True
         per_core = _ranks_per_core()
         self.yields = per_core > 1
         self.spins = 1 < per_core <= 2
@@ -739,6 +801,109 @@ class TcpTransport(Transport):
             if yields:
                 os.sched_yield()
         return None
+
+    async def take_direct(self, want: Sequence[tuple[Key, bytes, memoryview]],
+                          sig: tuple[Any, ...], window: float
+                          ) -> list[asyncio.Future[Frame] | None]:
+        """See Transport.take_direct. Each frame is read from the connection its sender's
+        frames of that size arrive on (as ``pump`` does): its head, exactly ``len(head)``
+        bytes of it, into a buffer of its own, then the payload straight into ``into``. Only
+        connections whose reader sits idle at a frame boundary, and keys the mailbox knows
+        nothing of, qualify; the event loop, which also reads these sockets, runs only where
+        this waits (``await``), and every frame partly read is handed back to the connection's
+        reader first (``_hand_back``), so both always agree on where each stream stands."""
+        out: list[asyncio.Future[Frame] | None] = [None] * len(want)
+        live: list[_Direct] = []
+        for i, (key, head, into) in enumerate(want):
+            conn = self._direct_conn(key, head, into)
+            if conn is None or any(d.conn is conn for d in live):
+                # one frame at a time per connection: a second one there goes the usual way
+                out[i] = self.post_recv(key, into, sig)
+            else:
+                live.append(_Direct(i, conn, key, head, into))
+        deadline = time.perf_counter() + window
+        yields = self.yields
+        while live:
+            moved = False
+            for _ in range(POLL_READS):
+                for d in list(live):
+                    got = d.read()
+                    if got is _MOVED:
+                        moved = True
+                    elif got is _DONE:
+                        moved = True
+                        live.remove(d)
+                    elif got is _GIVE_UP:
+                        live.remove(d)
+                        out[d.index] = self._hand_back(d, sig)
+                if moved or not live:
+                    break
+                if yields:
+                    os.sched_yield()
+            if not live or (moved and self.flushed()):
+                continue
+            # let the event loop run (it may have this rank's own frames to write, which the
+            # peers may be waiting for): what was read of a frame goes back to its reader
+            # first, since the loop reads the same sockets
+            expired = time.perf_counter() >= deadline
+            for d in list(live):
+                if expired or d.started:
+                    live.remove(d)
+                    out[d.index] = self._hand_back(d, sig)
+            if not live:
+                break
+            await asyncio.sleep(0)
+            for d in list(live):
+                if self._direct_conn(d.key, d.head, d.into) is not d.conn:
+                    live.remove(d)
+                    out[d.index] = self.post_recv(d.key, d.into, sig)
+        return out
+
+    def _direct_conn(self, key: Key, head: bytes, into: memoryview) -> _Connection | None:
+        """The connection ``take_direct`` may read the frame of ``key`` from, if any."""
+        src = key[0]
+        conn = self._in_large.get(src) if into.nbytes > PAIR_FRAME_BYTES else None
+        if conn is None:
+            conn = self._in.get(src)
+        if (conn is None or conn.raw is None or conn.closed or not conn.reader.idle
+                or len(head) > BufferedFrameReader.HEAD_READ_BYTES
+                or not self.mailbox.untouched(key)):
+            return None
+        return conn
+
+    def _hand_back(self, d: _Direct, sig: tuple[Any, ...]) -> asyncio.Future[Frame]:
+        """Post the usual receive for ``d``'s frame and give what was read of it to its
+        connection's reader, as if the event loop had read it. A receive that cannot be
+        posted (the world broke, the peer is lost) comes back as a failed future, after the
+        bytes went to the reader all the same: the stream stays readable either way."""
+        try:
+            fut = self.post_recv(d.key, d.into, sig)
+        except CollectiveError as exc:
+            fut = self.loop.create_future()
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: whoever awaits it raises it, nobody else has to
+        self._replay(d)
+        return fut
+
+    def _replay(self, d: _Direct) -> None:
+        """The head's bytes ``d`` read go into the reader's staging buffer and are parsed
+        there; the payload's bytes (in ``d.into`` already, where the reader puts a claimed
+        payload) are then counted into the payload the reader is filling."""
+        conn = d.conn
+        if not d.head_got or conn.closed:
+            return
+        reader = conn.reader
+        reader.get_buffer()[:d.head_got] = d.head_buf[:d.head_got]
+        conn.buffer_updated(d.head_got)
+        if not d.payload_got or conn.closed:
+            return
+        dest = reader.filling  # the expected head was read whole, so its payload is pending
+        if dest is None or dest.nbytes < d.payload_got:  # pragma: no cover - see above
+            conn._protocol_failure(ProtocolError("a frame read directly lost its payload"))
+            return
+        if dest is not d.into:  # not claimed by the receive (it failed): the reader's buffer
+            dest[:d.payload_got] = d.into[:d.payload_got]
+        conn.buffer_updated(d.payload_got)
 
     # -- failures -------------------------------------------------------------------------
 
