@@ -117,6 +117,13 @@ class Call:
                                       dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
         return self.ranks[peer], head, bytes_view(arr)
 
+    def head_from(self, src: int, step: int, like: np.ndarray) -> bytes:
+        """The head world rank ``src``'s frame of ``step`` will have when it sends an array of
+        ``like``'s dtype and shape (its ``HeadCache`` encodes the same bytes): what a receiver
+        that reads the wire itself compares a frame with."""
+        return self.t.heads.data_head(_DATA, self.group, self.seq, step, 0, src,
+                                      dtype_code(like.dtype), like.shape, self.sig, like.nbytes)
+
     def post(self, peer: int, step: int, arr: np.ndarray) -> asyncio.Future[None] | None:
         """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
         head = self.t.heads.data_head(_DATA, self.group, self.seq, step, 0, self.src,
@@ -167,13 +174,11 @@ class Call:
         were posted, or frames will have gone the usual way already (correct, only slower).
         """
         t = self.t
-        heads = t.heads
         want = []
         for peer, into in zip(peers, intos, strict=True):
             src = self.ranks[peer]
-            head = heads.data_head(_DATA, self.group, self.seq, step, 0, src,
-                                   dtype_code(into.dtype), into.shape, self.sig, into.nbytes)
-            want.append(((src, _DATA, self.group, self.seq, step, 0), head, bytes_view(into)))
+            want.append(((src, _DATA, self.group, self.seq, step, 0),
+                         self.head_from(src, step, into), bytes_view(into)))
         window = poll_window(self.tuning, self.poll, t.yields,
                              max((into.nbytes for into in intos), default=0), spin and t.spins)
         futs = await t.take_direct(want, self.sig, window)
@@ -229,10 +234,7 @@ class Call:
         t = self.t
         src = self.ranks[peer]
         nbytes = like.nbytes
-        expect = None
-        if self.poll:
-            expect = t.heads.data_head(_DATA, self.group, self.seq, step, 0, src,
-                                       dtype_code(like.dtype), like.shape, self.sig, nbytes)
+        expect = self.head_from(src, step, like) if self.poll else None
         payload = t.poll_payload((src, _DATA, self.group, self.seq, step, 0), self.sig,
                                  POLL_READS if expect is not None else 0, expect, nbytes)
         if payload is None:

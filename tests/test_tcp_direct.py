@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.all_gather_check import counting
 from numpy.testing import assert_array_equal
 
 from asynccoll import CollectiveError, Communicator
@@ -263,15 +264,7 @@ async def test_all_gather_reads_blocks_directly(world_size: int,
     one event loop a rank may find its peers' frames read by the loop already) and gathers
     exactly, uneven blocks included."""
     direct = [0, 0]  # frames read directly, frames received the usual way
-    take = Call.take_direct
-
-    async def counted(self: Call, *args: Any, **kwargs: Any) -> Any:
-        got = await take(self, *args, **kwargs)
-        direct[0] += sum(r is None for r in got)
-        direct[1] += sum(r is not None for r in got)
-        return got
-
-    monkeypatch.setattr(Call, "take_direct", counted)
+    monkeypatch.setattr(Call, "take_direct", counting(direct))
     comms = await tcp_local_world(world_size)
     try:
         async def fn(comm: Communicator) -> list[np.ndarray]:

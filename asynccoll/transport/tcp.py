@@ -746,17 +746,21 @@ class TcpTransport(Transport):
             if not fut.done():
                 fut.set_result(None)
 
+    def _reading_conn(self, src: int, nbytes: int | None) -> _Connection | None:
+        """The connection ``src``'s frames of ``nbytes`` of payload (unknown: ``None``)
+        arrive on, as far as this rank has seen (see ``_Connection._sink``)."""
+        conn = None
+        if nbytes is not None and nbytes > PAIR_FRAME_BYTES:
+            conn = self._in_large.get(src)
+        return conn if conn is not None else self._in.get(src)
+
     def pump(self, src: int, nbytes: int | None = None) -> bool:
         """One non-blocking read of ``src``'s connection into the frame reader (see
         Transport.pump). It reads through a duplicate of the socket's descriptor, which the
         event loop also watches: whichever reads first gets the bytes, and the reader's state
         is the same either way. Errors and the end of the stream are left to the event loop,
         which sees them too and runs the usual failure handling."""
-        conn = None
-        if nbytes is not None and nbytes > PAIR_FRAME_BYTES:
-            conn = self._in_large.get(src)
-        if conn is None:
-            conn = self._in.get(src)
+        conn = self._reading_conn(src, nbytes)
         if conn is None or conn.raw is None or conn.closed:
             return False
         try:
@@ -861,10 +865,7 @@ class TcpTransport(Transport):
 
     def _direct_conn(self, key: Key, head: bytes, into: memoryview) -> _Connection | None:
         """The connection ``take_direct`` may read the frame of ``key`` from, if any."""
-        src = key[0]
-        conn = self._in_large.get(src) if into.nbytes > PAIR_FRAME_BYTES else None
-        if conn is None:
-            conn = self._in.get(src)
+        conn = self._reading_conn(key[0], into.nbytes)
         if (conn is None or conn.raw is None or conn.closed or not conn.reader.idle
                 or len(head) > BufferedFrameReader.HEAD_READ_BYTES
                 or not self.mailbox.untouched(key)):

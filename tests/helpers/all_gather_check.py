@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,18 +21,19 @@ import numpy as np
 import asynccoll
 from asynccoll.algorithms import Call
 
-counts = [0, 0]  # blocks read directly, blocks received the usual way
-_take = Call.take_direct
 
+def counting(counts: list[int]) -> Callable[..., Any]:
+    """``Call.take_direct`` adding to ``counts`` the blocks it read directly (``counts[0]``)
+    and those it left to the usual receives (``counts[1]``); to patch in place of it."""
+    take = Call.take_direct
 
-async def _counted(self: Call, *args: Any, **kwargs: Any) -> Any:
-    got = await _take(self, *args, **kwargs)
-    counts[0] += sum(r is None for r in got)
-    counts[1] += sum(r is not None for r in got)
-    return got
+    async def counted(self: Call, *args: Any, **kwargs: Any) -> Any:
+        got = await take(self, *args, **kwargs)
+        counts[0] += sum(r is None for r in got)
+        counts[1] += sum(r is not None for r in got)
+        return got
 
-
-Call.take_direct = _counted  # type: ignore[method-assign]
+    return counted
 
 
 def block(rank: int, rows: int, i: int) -> np.ndarray:
@@ -40,6 +42,8 @@ def block(rank: int, rows: int, i: int) -> np.ndarray:
 
 async def main() -> None:
     print(f"PID {os.getpid()}", flush=True)
+    counts = [0, 0]
+    Call.take_direct = counting(counts)  # type: ignore[method-assign]
     async with await asynccoll.init(backend="tcp", timeout=30.0) as comm:
         r, n = comm.rank, comm.world_size
         i = 0
