@@ -52,6 +52,8 @@ class _Launcher:
         self.procs: list[asyncio.subprocess.Process] = []
         self.first_failure: tuple[int, int] | None = None
         self.stopping = False
+        #: sys.stdout / sys.stderr once whoever reads them has gone (a broken pipe)
+        self.closed_outputs: set[Any] = set()
 
     def env(self, rank: int, rdv_port: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -94,8 +96,21 @@ class _Launcher:
                 line = await stream.read(1 << 16)
             if not line:
                 return
-            out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-            out.buffer.flush()
+            if out in self.closed_outputs:
+                continue  # still read, so that the rank never blocks on a full pipe
+            try:
+                out.buffer.write(prefix + line if line.endswith(b"\n")
+                                 else prefix + line + b"\n")
+                out.buffer.flush()
+            except BrokenPipeError:
+                # whoever read our output stopped (``asynccoll run ... | head``): the job goes
+                # on, its output to that stream is dropped, and nothing left in the stream's
+                # buffer fails again at exit
+                self.closed_outputs.add(out)
+                with contextlib.suppress(OSError, ValueError):
+                    null = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(null, out.fileno())
+                    os.close(null)
 
     async def _watch(self, rank: int, proc: asyncio.subprocess.Process, rdv_port: int) -> None:
         assert proc.stdout is not None and proc.stderr is not None

@@ -755,6 +755,19 @@ class BufferedFrameReader:
             self._start, self._end = 0, n
         return self._view[self._end:]
 
+    def get_buffer_for(self, frame_bytes: int) -> memoryview:
+        """``get_buffer`` for a caller that expects the next frame to be ``frame_bytes``
+        long in all (head and payload) and takes it staged (``take_staged``). It differs only
+        right after a large payload, where ``get_buffer`` offers a head's worth: room for the
+        whole expected frame then (up to the staging buffer's size), so that it is read in
+        one go and taken staged, not read head first with the rest going into a new buffer
+        (which would leave the next read a head's worth again)."""
+        if (not self._head_only or frame_bytes <= self.HEAD_READ_BYTES
+                or self._start != self._end):
+            return self.get_buffer()
+        self._start = self._end = 0  # nothing staged: all of the buffer is free
+        return self._view[:min(frame_bytes, self.STAGE_BYTES)]
+
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """Account for ``nbytes`` written into the last buffer; return completed frames.
 

@@ -231,6 +231,34 @@ def test_run_quickstart(reaper: Callable[..., Proc]) -> None:
         assert any("[1.0, 3.0, 5.0, 7.0]" in line for line in lines), out
 
 
+def test_run_output_read_by_a_reader_that_stops(tmp_path: Path) -> None:
+    """``asynccoll run ... | head -1``: once whoever reads the launcher's output is gone, the
+    job still runs to its end (the ranks' output drained, never blocking them) and exits 0,
+    with no traceback about the broken pipe."""
+    err = tmp_path / "stderr"
+    with open(err, "wb") as errf:
+        popen = subprocess.Popen(launcher("-n", "2", str(HELPERS / "chatty.py")), cwd=REPO,
+                                 env=clean_env(), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=errf, start_new_session=True)
+        pids: list[int] = []
+        try:
+            assert popen.stdout is not None
+            first = popen.stdout.readline().decode()
+            m = PID_LINE.match(first.rstrip("\n"))
+            assert m, first
+            pids.append(int(m.group(2)))
+            popen.stdout.close()  # the reader goes away
+            code = popen.wait(60)
+        finally:
+            if popen.poll() is None:
+                os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait(10)
+    text = err.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text and "BrokenPipe" not in text, text
+    assert_all_gone(pids)
+
+
 def test_info() -> None:
     res = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=30, check=False)

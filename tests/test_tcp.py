@@ -700,6 +700,49 @@ async def test_poll_payload_takes_the_predicted_frame_without_the_loop() -> None
                 assert time.monotonic() < deadline, "the frame never came"
 
 
+async def test_poll_payload_reads_the_connection_large_frames_come_on() -> None:
+    """A frame above PAIR_FRAME_BYTES comes on its sender's own connection (the higher rank
+    dials one for them); the lean receive reads that one, not the pair connection, and takes
+    the frame with no event-loop turn: also one right behind a large payload (when the reader
+    would otherwise read a head's worth first) and one whose second half is written only
+    after a first poll found the first half."""
+    async with tcp_world(2) as (_, (c0, c1)):
+        t0, t1 = c0.transport, c1.transport
+        assert isinstance(t0, TcpTransport) and isinstance(t1, TcpTransport)
+        n = 12_000  # 96 KB of float64: above PAIR_FRAME_BYTES and LARGE_PAYLOAD_BYTES
+        await asyncio.gather(c0.all_reduce(np.ones(n)), c1.all_reduce(np.ones(n)))
+        assert 1 in t0._in_large and t0._in_large[1] is not t0._in.get(1)
+        sig = ("test", "<f8", (n,))
+        for seq in (5, 6, 7):
+            sent = np.arange(n, dtype=np.float64) * seq
+            key = (1, int(FrameKind.DATA), 99, seq, 0, 0)
+            t0.mailbox.begin(99, seq, sig)
+            head = t1.heads.data_head(int(FrameKind.DATA), 99, seq, 0, 0, 1, "<f8", (n,), sig,
+                                      sent.nbytes)
+            frame = head + sent.tobytes()
+            conn = t1._out[0]
+            assert conn.transport is not None
+            if seq == 7:  # half of it now, the rest after a poll
+                conn.transport.write(frame[:len(frame) // 2])
+                await settle_until(t1.flushed)
+                assert t0.poll_payload(key, sig, 8, head, sent.nbytes) is None
+                conn.transport.write(frame[len(frame) // 2:])
+            else:
+                assert t1.post(0, head, memoryview(sent).cast("B")) is None
+            deadline = time.monotonic() + 5.0
+            got = None
+            while got is None:  # no await: only the direct reads can find it
+                got = t0.poll_payload(key, sig, 8, head, sent.nbytes)
+                assert time.monotonic() < deadline, "the frame never came"
+            np.testing.assert_array_equal(np.frombuffer(got, np.float64), sent)
+            t0.mailbox.end(99, seq)
+        assert t0._in_large[1].reader.idle and not t0.mailbox._early
+        # the streams are where every reader thinks they are
+        out = await asyncio.gather(c0.all_reduce(np.ones(n)), c1.all_reduce(np.ones(n)))
+        for x in out:
+            np.testing.assert_array_equal(x, np.full(n, 2.0))
+
+
 # ------------------------------------------------------------------------ congestion control
 
 class _FakeSocket:

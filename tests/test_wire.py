@@ -750,6 +750,38 @@ def test_after_a_large_payload_only_a_head_is_read_into_the_staging_buffer() -> 
     assert reader.get_buffer().nbytes == reader.HEAD_READ_BYTES and reader.idle
 
 
+def test_get_buffer_for_reads_an_expected_frame_whole_after_a_large_payload() -> None:
+    """Where the next frame is known (a lean receive), ``get_buffer_for`` offers room for all
+    of it even right after a large payload, so that it is read in one go and taken staged;
+    elsewhere it offers what ``get_buffer`` does."""
+    big = 100_000
+    frames = [Frame(FrameKind.DATA, FrameHeader(seq=i, src=1, dtype="|u1", shape=(big,)),
+                    bytes([i + 1]) * big) for i in range(2)]
+    first, second = (wire.encode_frame_bytes(f) for f in frames)
+    target = bytearray(big)
+    reader = wire.BufferedFrameReader(lambda k, h, n: memoryview(target), max_payload=1 << 20)
+    assert reader.get_buffer_for(len(first)).nbytes == reader.STAGE_BYTES  # as get_buffer
+    buf = reader.get_buffer()
+    buf[:1000] = first[:1000]
+    assert reader.buffer_updated(1000) == []
+    buf = reader.get_buffer_for(len(first))  # a payload is being read: its buffer
+    assert buf.nbytes == len(first) - 1000 and buf.obj is target
+    buf[:] = first[1000:]
+    assert [f.header.seq for f in reader.buffer_updated(buf.nbytes)] == [0]
+    assert reader.get_buffer().nbytes == reader.HEAD_READ_BYTES
+    assert reader.get_buffer_for(100).nbytes == reader.HEAD_READ_BYTES  # a small frame
+    assert reader.get_buffer_for(1 << 20).nbytes == reader.STAGE_BYTES  # capped
+    buf = reader.get_buffer_for(len(second))
+    assert buf.nbytes == len(second)
+    buf[:] = second
+    assert reader.staging
+    reader.stage(len(second))
+    head = second[:len(second) - big]
+    payload = reader.take_staged(head, big)
+    assert payload is not None and bytes(payload) == frames[1].payload
+    assert reader.idle and reader.get_buffer().nbytes == reader.STAGE_BYTES
+
+
 # ------------------------------------------------------- payloads reduced as they are read
 
 @given(dtype=st.sampled_from(["<f8", "<i4", "<c16", "|u1", "<f2"]),

@@ -568,7 +568,8 @@ class Transport(abc.ABC):
         canonically, for ``nbytes`` of payload: a transport that reads bytes itself may take
         such a frame without decoding it. Stops after a read that completed no frame for
         ``key``, so that the caller can let the event loop run (a frame may be half read,
-        and this rank's own queued writes may be what the sender waits for).
+        and this rank's own queued writes may be what the sender waits for); a transport
+        that knows none of this rank's writes wait may read on through a half-read frame.
 
         Raises:
             CollectiveError: the frame's signature is not ``sig``, the world is broken for
@@ -579,7 +580,7 @@ class Transport(abc.ABC):
         if frame is None and reads:
             pump, src, yields = self.pump, key[0], self.yields
             for _ in range(reads):
-                if pump(src):
+                if pump(src, nbytes):
                     frame = take(key, None)
                     break
                 if yields:

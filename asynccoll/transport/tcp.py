@@ -781,19 +781,26 @@ class TcpTransport(Transport):
                      nbytes: int) -> Any:
         """See Transport.poll_payload: here a frame that is exactly the ``expect`` head is
         taken straight out of the bytes read (``_Connection.received``), with no decoding,
-        no mailbox and no frame object."""
+        no mailbox and no frame object. It reads the connection the sender's frames of
+        ``nbytes`` arrive on (as ``pump`` does: a payload above ``PAIR_FRAME_BYTES`` comes on
+        the sender's own connection), room for the whole frame at once
+        (``BufferedFrameReader.get_buffer_for``), and while a frame is partly read and none
+        of this rank's frames wait for the event loop, it reads on as long as bytes come
+        (2 ranks, 64 KiB all_reduce 0.5 x the time, 48 KiB 0.45 x)."""
         if expect is None:
             return super().poll_payload(key, sig, reads, expect, nbytes)
         frame = self.mailbox.take(key, None)
         if frame is not None:
             return checked_payload(frame, sig)
-        conn = self._in.get(key[0])
+        conn = self._reading_conn(key[0], nbytes)
         if not reads or conn is None or conn.raw is None or conn.closed:
             return None
         reader, recv_into, yields = conn.reader, conn.raw.recv_into, self.yields
-        for _ in range(reads):
+        whole = len(expect) + nbytes
+        left = reads
+        while left:
             try:
-                n = recv_into(reader.get_buffer())
+                n = recv_into(reader.get_buffer_for(whole))
             except OSError:  # nothing there (BlockingIOError), or the loop will see the error
                 n = 0
             if n:
@@ -801,7 +808,16 @@ class TcpTransport(Transport):
                 if got is not None:
                     return got
                 frame = self.mailbox.take(key, None)
-                return None if frame is None else checked_payload(frame, sig)
+                if frame is not None:
+                    return checked_payload(frame, sig)
+                if reader.idle or conn.closed or conn.raw is None or not self.flushed():
+                    return None
+                # a frame is partly read and nothing of this rank's waits for the event
+                # loop: its sender is still writing it, so read on (as long as bytes keep
+                # coming) rather than give the loop a turn it would spend reading the rest
+                left = reads
+                continue
+            left -= 1
             if yields:
                 os.sched_yield()
         return None
