@@ -577,6 +577,45 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     return out
 
 
+def pairs_directly(call: Call, flat: np.ndarray) -> bool:
+    """Whether ``ring``'s all_reduce over these two ranks may run as ``pair_all_reduce``: a
+    polling transport that reads frames itself, halves that are one segment of the ring each
+    (the same frames either way) and below ``Tuning.reduce_on_read_bytes`` (larger ones are
+    added as they are read, a piece at a time, which the ring does)."""
+    if call.size != 2 or not call.poll or not call.t.reads_direct:
+        return False
+    size = max(1, flat.itemsize)
+    width = -(-flat.size // 2)
+    seg = max(1, call.tuning.ring_segment(width * size, crowded=call.t.crowded) // size)
+    return width <= seg and width * size < call.tuning.reduce_on_read_bytes
+
+
+async def pair_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
+    """The ring's all_reduce over two ranks whose halves are one segment each (the same
+    frames, so a peer running ``ring`` pairs with it), both receives read straight off the
+    wire (``Call.take_direct``): no posted receives, no decoding, no mailbox. Each rank sends
+    the peer's half of its array, adds the peer's copy of its own half into it, sends the sum
+    and reads the peer's sum into the other half; each half is added on one rank only, so
+    both end bit-identical."""
+    r = call.rank
+    peer = 1 - r
+    bounds = row_bounds(flat.size, 1, 2)
+    mine, theirs = flat[slice(*bounds[r])], flat[slice(*bounds[peer])]
+    spin = call.spins(flat.nbytes)
+    pending = [call.post(peer, 0, theirs)]
+    call.hand_over(theirs.nbytes)
+    pool = call.t.scratch
+    scratch = pool.take(mine.size, flat.dtype)
+    (rcv,) = await call.take_direct([peer], 0, [scratch], spin=spin)
+    combine(mine, scratch if rcv is None else await rcv.get(), op)
+    pool.give(scratch)
+    pending.append(call.post(peer, 1, mine))
+    (rcv,) = await call.take_direct([peer], 1, [theirs], spin=spin)
+    if rcv is not None:
+        await rcv.get()
+    await settle(pending)
+
+
 async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     """All-reduce in place: every rank reduces its own block, then sends it to every rank.
 

@@ -31,6 +31,8 @@ from .algorithms import (
     doubling_broadcast,
     doubling_gather,
     end_barrier,
+    pair_all_reduce,
+    pairs_directly,
     recursive_doubling,
     ring,
     ring_all_gather,
@@ -427,8 +429,11 @@ class Communicator:
                 if algo == "direct":
                     await direct_all_reduce(call, flat, op)
                 elif algo == "ring":
-                    await ring(call, flat, row_bounds(flat.size, 1, call.size), op,
-                                reduce_steps=call.size - 1, gather_steps=call.size - 1)
+                    if pairs_directly(call, flat):
+                        await pair_all_reduce(call, flat, op)
+                    else:
+                        await ring(call, flat, row_bounds(flat.size, 1, call.size), op,
+                                    reduce_steps=call.size - 1, gather_steps=call.size - 1)
                 else:
                     await recursive_doubling(call, flat, op)
             finish(a, op, call.size)

@@ -132,7 +132,9 @@ async def test_all_reduce_every_op_and_dtype(run, backend, tuning, world_size, d
 
 def shapes_for(world_size: int) -> list[tuple[int, ...]]:
     return [(), (0,), (0, 3), (1,), (7,), (1001,), (3, 5, 2), (4 * world_size + 1,),
-            (8192,), (8193,)]  # 64 KiB of float64 and just above: both sides of small_bytes
+            # 64 KiB of float64 (the largest polled receive), 128 KiB and just above: both
+            # sides of small_bytes
+            (8192,), (16384,), (16385,)]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -1043,7 +1045,7 @@ OBJECTS: list[Any] = [
     "a string with ünïcødé",
     [1, [2, [3, [4, {}]]]],
     {"blob": b"\x00\x01\xff", "n": 2**40, "f": -0.25},
-    "x" * 100_000,  # bigger than the default small_bytes
+    "x" * 200_000,  # bigger than the default small_bytes
     [],
     {},
 ]
