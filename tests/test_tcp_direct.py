@@ -100,9 +100,15 @@ def _data(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
 
 
+#: a frame read head first, then its payload straight into the array; and one small enough
+#: to be read whole in one go (``_Direct.whole``) and its payload copied over
+SIZES = [12_000, 500]
+
+
 @pytest.mark.timeout(30)
-async def test_an_expected_frame_lands_without_the_mailbox(wire: Wire) -> None:
-    data = _data(12_000, 1)
+@pytest.mark.parametrize("n", SIZES)
+async def test_an_expected_frame_lands_without_the_mailbox(wire: Wire, n: int) -> None:
+    data = _data(n, 1)
     wire.feed.sendall(wire.frame(data))
     into = np.zeros_like(data)
     (got,) = await wire.t.take_direct([wire.want(into)], SIG, 0.5)
@@ -140,12 +146,13 @@ async def test_two_frames_on_one_connection(wire: Wire) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("cut", [7, 40, "head", "half"])
-async def test_half_a_frame_goes_back_to_the_reader(wire: Wire, cut: Any) -> None:
+async def test_half_a_frame_goes_back_to_the_reader(wire: Wire, cut: Any, n: int) -> None:
     """What is not there in time is handed back mid-head or mid-payload: the reader takes
     over where the direct reads stopped, and the rest of the frame completes the posted
     receive, into the same array."""
-    data = _data(12_000, 3)
+    data = _data(n, 3)
     raw = wire.frame(data)
     head_len = len(wire.head(data.shape))
     split = {"head": head_len, "half": head_len + data.nbytes // 2}.get(cut, cut)
@@ -196,11 +203,12 @@ async def test_a_world_that_breaks_mid_frame_keeps_the_stream(
 
 
 @pytest.mark.timeout(30)
-async def test_another_frame_first(wire: Wire) -> None:
+@pytest.mark.parametrize("n", SIZES)
+async def test_another_frame_first(wire: Wire, n: int) -> None:
     """A frame other than the expected one (here the next step's) is not taken: its bytes
     go to the reader, it reaches the mailbox as an early frame, and the expected one behind
     it completes the receive handed back."""
-    first, second = _data(8_000, 4), _data(8_000, 5)
+    first, second = _data(n, 4), _data(n, 5)
     wire.feed.sendall(wire.frame(first, step=1) + wire.frame(second, step=0))
     into = np.zeros_like(second)
     (fut,) = await wire.t.take_direct([wire.want(into)], SIG, 0.5)

@@ -182,9 +182,12 @@ _MOVED, _DONE, _NOTHING, _GIVE_UP = object(), object(), object(), object()
 
 class _Direct:
     """A frame ``TcpTransport.take_direct`` reads itself: its head into ``head_buf``, its
-    payload into ``into``."""
+    payload into ``into``. A frame small enough to fit what the reader's staging buffer
+    always takes (``HEAD_READ_BYTES``) is read whole into ``head_buf``, one read for both
+    parts, and its payload copied into ``into`` once it is there."""
 
-    __slots__ = ("conn", "head", "head_buf", "head_got", "index", "into", "key", "payload_got")
+    __slots__ = ("conn", "head", "head_buf", "head_got", "index", "into", "key", "payload_got",
+                 "whole")
 
     def __init__(self, index: int, conn: _Connection, key: Key, head: bytes,
                  into: memoryview) -> None:
@@ -193,9 +196,12 @@ class _Direct:
         self.key = key
         self.head = head
         self.into = into
-        self.head_buf = bytearray(len(head))
-        self.head_got = 0
-        self.payload_got = 0
+        #: the frame's length when it is read whole into head_buf, else 0
+        self.whole = (len(head) + into.nbytes
+                      if len(head) + into.nbytes <= BufferedFrameReader.HEAD_READ_BYTES else 0)
+        self.head_buf = bytearray(self.whole or len(head))
+        self.head_got = 0  # bytes in head_buf
+        self.payload_got = 0  # bytes read straight into ``into``
 
     @property
     def started(self) -> bool:
@@ -210,9 +216,10 @@ class _Direct:
             return _GIVE_UP
         head, got = self.head, self.head_got
         size = len(head)
+        stop = self.whole or size
         try:
-            if got < size:
-                n = raw.recv_into(memoryview(self.head_buf)[got:], size - got)
+            if got < stop:
+                n = raw.recv_into(memoryview(self.head_buf)[got:], stop - got)
             else:
                 n = raw.recv_into(self.into[self.payload_got:])
         except BlockingIOError:
@@ -221,11 +228,17 @@ class _Direct:
             return _GIVE_UP
         if not n:
             return _GIVE_UP
-        if got < size:
+        if got < stop:
             got = self.head_got = got + n
-            if self.head_buf[:got] != head[:got]:
+            checked = min(got, size)
+            if self.head_buf[:checked] != head[:checked]:
                 return _GIVE_UP
-            return _DONE if got == size and not self.into.nbytes else _MOVED
+            if got < stop:
+                return _MOVED
+            if self.whole:
+                self.into[:] = memoryview(self.head_buf)[size:]
+                return _DONE
+            return _DONE if not self.into.nbytes else _MOVED
         self.payload_got += n
         return _DONE if self.payload_got == self.into.nbytes else _MOVED
 
@@ -903,9 +916,10 @@ class TcpTransport(Transport):
         return fut
 
     def _replay(self, d: _Direct) -> None:
-        """The head's bytes ``d`` read go into the reader's staging buffer and are parsed
-        there; the payload's bytes (in ``d.into`` already, where the reader puts a claimed
-        payload) are then counted into the payload the reader is filling."""
+        """The head's bytes ``d`` read (a small frame's: all it read) go into the reader's
+        staging buffer and are parsed there; the payload's bytes (in ``d.into`` already,
+        where the reader puts a claimed payload) are then counted into the payload the
+        reader is filling."""
         conn = d.conn
         if not d.head_got or conn.closed:
             return
