@@ -7,7 +7,9 @@ The algorithms:
 =================  ==========================================  ===============================
 collective         small messages (latency)                    large messages (bandwidth)
 =================  ==========================================  ===============================
-all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather;
+all_reduce         recursive doubling (with fold for non-2^k)  ring reduce-scatter + all-gather
+                                                               (blocks of one frame read off the
+                                                               wire where the transport can);
                                                                direct (each rank reduces its
                                                                block from all) in process
 reduce             recursive doubling (every rank reduces)     ring reduce-scatter + gather
@@ -28,10 +30,10 @@ collective's signature on the way; the others (chain broadcast, ring reduce, dir
 scatter, broadcast_object) run an agreement round beside them (``Communicator._run``).
 
 Thresholds live in ``asynccoll.tuning``. Algorithms talk to peers only through
-``Call`` (post, send, post_recv, recv, exchange, compute_and_post, and the lean receives of
-small collectives, payload_of and swap), so every backend runs
+``Call`` (post, send, post_recv, recv, exchange, compute_and_post, the lean receives of
+small collectives, payload_of and swap, and take_direct), so every backend runs
 exactly this code; where a backend differs, the algorithm reads its flags (``lends``: payloads
-can be read in place; ``polls``) rather than its type.
+can be read in place; ``polls``; ``reads_direct``) rather than its type.
 """
 
 from __future__ import annotations
@@ -577,42 +579,51 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     return out
 
 
-def pairs_directly(call: Call, flat: np.ndarray) -> bool:
-    """Whether ``ring``'s all_reduce over these two ranks may run as ``pair_all_reduce``: a
-    polling transport that reads frames itself, halves that are one segment of the ring each
-    (the same frames either way) and below ``Tuning.reduce_on_read_bytes`` (larger ones are
-    added as they are read, a piece at a time, which the ring does)."""
-    if call.size != 2 or not call.poll or not call.t.reads_direct:
+def ring_reads_direct(call: Call, flat: np.ndarray) -> bool:
+    """Whether ``ring``'s all_reduce may run as ``direct_ring_all_reduce``: a polling
+    transport that reads frames itself, blocks that are one segment of the ring each (the
+    same frames either way) and below ``Tuning.reduce_on_read_bytes`` (larger ones are added
+    as they are read, a piece at a time, which the ring does)."""
+    if call.size < 2 or not call.poll or not call.t.reads_direct:
         return False
     size = max(1, flat.itemsize)
-    width = -(-flat.size // 2)
+    width = -(-flat.size // call.size)
     seg = max(1, call.tuning.ring_segment(width * size, crowded=call.t.crowded) // size)
     return width <= seg and width * size < call.tuning.reduce_on_read_bytes
 
 
-async def pair_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
-    """The ring's all_reduce over two ranks whose halves are one segment each (the same
-    frames, so a peer running ``ring`` pairs with it), both receives read straight off the
-    wire (``Call.take_direct``): no posted receives, no decoding, no mailbox. Each rank sends
-    the peer's half of its array, adds the peer's copy of its own half into it, sends the sum
-    and reads the peer's sum into the other half; each half is added on one rank only, so
-    both end bit-identical."""
-    r = call.rank
-    peer = 1 - r
-    bounds = row_bounds(flat.size, 1, 2)
-    mine, theirs = flat[slice(*bounds[r])], flat[slice(*bounds[peer])]
+async def direct_ring_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
+    """The ring's all_reduce where every block is one segment (the same frames as ``ring``'s,
+    so a rank running ``ring`` pairs with it), each step's block read straight off the wire
+    (``Call.take_direct``): no posted receives, no decoding, no mailbox. A partial sum from
+    the left goes into scratch and is added into the block, which then goes on to the
+    right; a finished block is read into place. Each block is reduced along one path, so
+    every rank ends bit-identical."""
+    w, r = call.size, call.rank
+    left, right = (r - 1) % w, (r + 1) % w
+    bounds = row_bounds(flat.size, 1, w)
     spin = call.spins(flat.nbytes)
-    pending = [call.post(peer, 0, theirs)]
-    call.hand_over(theirs.nbytes)
+    first = flat[slice(*bounds[(r - 1) % w])]
+    pending = [call.post(right, 0, first)]
+    call.hand_over(first.nbytes)
     pool = call.t.scratch
-    scratch = pool.take(mine.size, flat.dtype)
-    (rcv,) = await call.take_direct([peer], 0, [scratch], spin=spin)
-    combine(mine, scratch if rcv is None else await rcv.get(), op)
+    scratch = pool.take(max(b - a for a, b in bounds), flat.dtype)
+    total = 2 * (w - 1)
+    for s in range(total):
+        reducing = s < w - 1
+        a, b = bounds[(r - s - 2) % w if reducing else (r - s + w - 2) % w]
+        block = flat[a:b]
+        if reducing:
+            part = scratch[:b - a]
+            (rcv,) = await call.take_direct([left], s, [part], spin=spin)
+            combine(block, part if rcv is None else await rcv.get(), op)
+        else:
+            (rcv,) = await call.take_direct([left], s, [block], spin=spin)
+            if rcv is not None:
+                await rcv.get()
+        if s + 1 < total:
+            pending.append(call.post(right, s + 1, block))
     pool.give(scratch)
-    pending.append(call.post(peer, 1, mine))
-    (rcv,) = await call.take_direct([peer], 1, [theirs], spin=spin)
-    if rcv is not None:
-        await rcv.get()
     await settle(pending)
 
 

@@ -27,15 +27,15 @@ from .algorithms import (
     direct_all_gather,
     direct_all_reduce,
     direct_reduce_scatter,
+    direct_ring_all_reduce,
     dissemination_barrier,
     doubling_broadcast,
     doubling_gather,
     end_barrier,
-    pair_all_reduce,
-    pairs_directly,
     recursive_doubling,
     ring,
     ring_all_gather,
+    ring_reads_direct,
     ring_reduce,
     ring_reduce_scatter,
     row_bounds,
@@ -429,8 +429,8 @@ class Communicator:
                 if algo == "direct":
                     await direct_all_reduce(call, flat, op)
                 elif algo == "ring":
-                    if pairs_directly(call, flat):
-                        await pair_all_reduce(call, flat, op)
+                    if ring_reads_direct(call, flat):
+                        await direct_ring_all_reduce(call, flat, op)
                     else:
                         await ring(call, flat, row_bounds(flat.size, 1, call.size), op,
                                     reduce_steps=call.size - 1, gather_steps=call.size - 1)

@@ -296,22 +296,22 @@ async def test_all_gather_reads_blocks_directly(world_size: int,
     assert sum(direct) == 20 * world_size * (world_size - 1)
 
 
-PAIR_CASES = [(np.float64, ReduceOp.SUM, 20_001), (np.float32, ReduceOp.MAX, 50_001),
+RING_CASES = [(np.float64, ReduceOp.SUM, 20_001), (np.float32, ReduceOp.MAX, 50_001),
               (np.int64, ReduceOp.SUM, 16_385), (np.float64, ReduceOp.AVG, 100_000),
               (np.int32, ReduceOp.MIN, 40_000)]
 
 
-def pair_input(rank: int, i: int, dtype: Any, n: int) -> np.ndarray:
+def ring_input(rank: int, i: int, dtype: Any, n: int) -> np.ndarray:
     rng = np.random.default_rng(1000 * i + rank)
     if np.dtype(dtype).kind == "f":
         return rng.standard_normal(n).astype(dtype)
     return rng.integers(-1000, 1000, n).astype(dtype)
 
 
-async def pair_all_reduces(comms: list[Communicator]) -> list[list[np.ndarray]]:
+async def ring_all_reduces(comms: list[Communicator]) -> list[list[np.ndarray]]:
     async def fn(comm: Communicator) -> list[np.ndarray]:
-        return [await comm.all_reduce(pair_input(comm.rank, i, dtype, n), op)
-                for i, (dtype, op, n) in enumerate(PAIR_CASES)]
+        return [await comm.all_reduce(ring_input(comm.rank, i, dtype, n), op)
+                for i, (dtype, op, n) in enumerate(RING_CASES)]
 
     try:
         return list(await asyncio.gather(*(fn(c) for c in comms)))
@@ -319,43 +319,49 @@ async def pair_all_reduces(comms: list[Communicator]) -> list[list[np.ndarray]]:
         await asyncio.gather(*(c.close() for c in comms))
 
 
-def check_pair_results(results: list[list[np.ndarray]]) -> None:
-    for i, (dtype, op, n) in enumerate(PAIR_CASES):
-        a, b = (pair_input(r, i, dtype, n) for r in range(2))
-        expect = {ReduceOp.SUM: a + b, ReduceOp.MAX: np.maximum(a, b),
-                  ReduceOp.MIN: np.minimum(a, b), ReduceOp.AVG: (a + b) / 2}[op]
-        got0, got1 = results[0][i], results[1][i]
-        assert got0.tobytes() == got1.tobytes(), f"case {i}: the ranks differ"
-        np.testing.assert_allclose(got0, expect, rtol=1e-6)
+def check_ring_results(results: list[list[np.ndarray]]) -> None:
+    w = len(results)
+    for i, (dtype, op, n) in enumerate(RING_CASES):
+        xs = np.stack([ring_input(r, i, dtype, n) for r in range(w)])
+        expect = {ReduceOp.SUM: xs.sum(0), ReduceOp.MAX: xs.max(0), ReduceOp.MIN: xs.min(0),
+                  ReduceOp.AVG: xs.sum(0) / w}[op]
+        for r in range(w):
+            assert results[r][i].tobytes() == results[0][i].tobytes(), \
+                f"case {i}: ranks 0 and {r} differ"
+        np.testing.assert_allclose(results[0][i], expect, rtol=1e-5)
 
 
 @pytest.mark.timeout(60)
-async def test_pair_all_reduce_reads_both_halves_directly(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two ranks' all_reduce above small_bytes runs the ring's two steps with both receives
-    read straight off the wire (pair_all_reduce): exact, bit-identical on both ranks, odd
-    lengths (uneven halves) and several dtypes and ops included."""
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_ring_all_reduce_reads_its_blocks_directly(
+        world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An all_reduce above small_bytes whose ring blocks are one frame each reads every
+    step's block straight off the wire (direct_ring_all_reduce): exact, bit-identical on all
+    ranks, odd lengths (uneven blocks) and several dtypes and ops included."""
     direct = [0, 0]  # frames read directly, frames received the usual way
     monkeypatch.setattr(Call, "take_direct", counting(direct))
-    check_pair_results(await pair_all_reduces(await tcp_local_world(2)))
-    assert sum(direct) == 2 * 2 * len(PAIR_CASES)  # two halves per call and rank
+    check_ring_results(await ring_all_reduces(await tcp_local_world(world_size)))
+    # every rank, every case, 2(W-1) steps
+    assert sum(direct) == world_size * len(RING_CASES) * 2 * (world_size - 1)
     assert direct[0] > 0, direct
 
 
 @pytest.mark.timeout(60)
-async def test_pair_all_reduce_pairs_with_the_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_direct_ring_pairs_with_the_ring(world_size: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The same frames as the ring's: a rank that does not poll (so runs the ring, posting
-    its receives) and one that reads directly reduce together; where the ring would cut the
-    halves into several segments, neither rank takes the direct path."""
+    its receives) and ranks that read directly reduce together; where the ring would cut the
+    blocks into several segments, no rank takes the direct path."""
     direct = [0, 0]
     monkeypatch.setattr(Call, "take_direct", counting(direct))
-    comms = await tcp_local_world(2)
+    comms = await tcp_local_world(world_size)
     comms[0].tuning = Tuning(poll_us=0)
-    check_pair_results(await pair_all_reduces(comms))
-    assert sum(direct) == 2 * len(PAIR_CASES)  # rank 1 only
+    check_ring_results(await ring_all_reduces(comms))
+    assert sum(direct) == (world_size - 1) * len(RING_CASES) * 2 * (world_size - 1)
     direct[:] = [0, 0]
-    comms = await tcp_local_world(2)
+    comms = await tcp_local_world(world_size)
     for c in comms:
         c.tuning = Tuning(segment_bytes=16 << 10, min_segment_bytes=16 << 10)
-    check_pair_results(await pair_all_reduces(comms))
+    check_ring_results(await ring_all_reduces(comms))
     assert direct == [0, 0]
