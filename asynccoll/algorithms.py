@@ -579,17 +579,19 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     return out
 
 
-def ring_reads_direct(call: Call, flat: np.ndarray) -> bool:
-    """Whether ``ring``'s all_reduce may run as ``direct_ring_all_reduce``: a polling
-    transport that reads frames itself, blocks that are one segment of the ring each (the
-    same frames either way) and below ``Tuning.reduce_on_read_bytes`` (larger ones are added
-    as they are read, a piece at a time, which the ring does)."""
+def ring_reads_direct(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], *,
+                      in_place: bool) -> bool:
+    """Whether ``ring`` may run as ``direct_ring_all_reduce`` (``in_place``) or
+    ``direct_ring_reduce_scatter``: a polling transport that reads frames itself, and blocks
+    (``bounds``) that are one segment of the ring each (the same frames either way); in place
+    also below ``Tuning.reduce_on_read_bytes`` (larger partial sums are added as they are
+    read, a piece at a time, which the ring does)."""
     if call.size < 2 or not call.poll or not call.t.reads_direct:
         return False
     size = max(1, flat.itemsize)
-    width = -(-flat.size // call.size)
+    width = max(b - a for a, b in bounds)
     seg = max(1, call.tuning.ring_segment(width * size, crowded=call.t.crowded) // size)
-    return width <= seg and width * size < call.tuning.reduce_on_read_bytes
+    return width <= seg and (not in_place or width * size < call.tuning.reduce_on_read_bytes)
 
 
 async def direct_ring_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
@@ -625,6 +627,42 @@ async def direct_ring_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> 
             pending.append(call.post(right, s + 1, block))
     pool.give(scratch)
     await settle(pending)
+
+
+async def direct_ring_reduce_scatter(call: Call, flat: np.ndarray,
+                                     bounds: list[tuple[int, int]], op: ReduceOp
+                                     ) -> np.ndarray:
+    """``ring_reduce_scatter`` where every block is one segment, each step's partial sum
+    read straight off the wire (``Call.take_direct``) into a slot of its own (it is sent on
+    from there), the last one into the result; ``flat`` is only read. The same frames as the
+    ring's. Returns block ``rank`` reduced (a new array)."""
+    w, r = call.size, call.rank
+    left, right = (r - 1) % w, (r + 1) % w
+    width = max(b - a for a, b in bounds)
+    spin = call.spins(flat.nbytes)
+    first = flat[slice(*bounds[(r - 1) % w])]
+    pending = [call.post(right, 0, first)]
+    call.hand_over(first.nbytes)
+    pool = call.t.scratch
+    kept = w - 2  # slots for the partial sums sent on; the last step's is the result
+    scratch = pool.take(kept * width, flat.dtype) if kept else None
+    out = np.empty(bounds[r][1] - bounds[r][0], flat.dtype)
+    for s in range(w - 1):
+        a, b = bounds[(r - s - 2) % w]
+        if s == kept:
+            slot = out
+        else:
+            assert scratch is not None
+            slot = scratch[s * width:s * width + b - a]
+        (rcv,) = await call.take_direct([left], s, [slot], spin=spin)
+        got = slot if rcv is None else await rcv.get()
+        combine(got, flat[a:b], op)
+        if s < kept:
+            pending.append(call.post(right, s + 1, got))
+    await settle(pending)
+    if scratch is not None:
+        pool.give(scratch)
+    return out
 
 
 async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:

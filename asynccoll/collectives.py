@@ -28,6 +28,7 @@ from .algorithms import (
     direct_all_reduce,
     direct_reduce_scatter,
     direct_ring_all_reduce,
+    direct_ring_reduce_scatter,
     dissemination_barrier,
     doubling_broadcast,
     doubling_gather,
@@ -429,10 +430,11 @@ class Communicator:
                 if algo == "direct":
                     await direct_all_reduce(call, flat, op)
                 elif algo == "ring":
-                    if ring_reads_direct(call, flat):
+                    bounds = row_bounds(flat.size, 1, call.size)
+                    if ring_reads_direct(call, flat, bounds, in_place=True):
                         await direct_ring_all_reduce(call, flat, op)
                     else:
-                        await ring(call, flat, row_bounds(flat.size, 1, call.size), op,
+                        await ring(call, flat, bounds, op,
                                     reduce_steps=call.size - 1, gather_steps=call.size - 1)
                 else:
                     await recursive_doubling(call, flat, op)
@@ -460,7 +462,10 @@ class Communicator:
             if call.size == 1:
                 out = flat.copy()
             elif algo == "ring":
-                out = await ring_reduce_scatter(call, flat, bounds, op)
+                if ring_reads_direct(call, flat, bounds, in_place=False):
+                    out = await direct_ring_reduce_scatter(call, flat, bounds, op)
+                else:
+                    out = await ring_reduce_scatter(call, flat, bounds, op)
             else:
                 out = await direct_reduce_scatter(call, flat, bounds, op)
             finish(out, op, call.size)

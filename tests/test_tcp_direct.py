@@ -365,3 +365,46 @@ async def test_direct_ring_pairs_with_the_ring(world_size: int,
         c.tuning = Tuning(segment_bytes=16 << 10, min_segment_bytes=16 << 10)
     check_ring_results(await ring_all_reduces(comms))
     assert direct == [0, 0]
+
+
+RS_CASES = [((20_001,), np.float64, ReduceOp.SUM), ((19_999, 3), np.float32, ReduceOp.MAX),
+            ((16_387,), np.int64, ReduceOp.SUM), ((40_000, 2), np.float64, ReduceOp.AVG)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_ring_reduce_scatter_reads_its_blocks_directly(
+        world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reduce_scatter above small_bytes whose ring blocks are one frame each reads every
+    step's partial sum straight off the wire (direct_ring_reduce_scatter): each rank gets
+    its rows of the reduction exactly (uneven rows, rows of several elements, several dtypes
+    and ops), and a rank that does not poll (running the ring) pairs with those that do."""
+    direct = [0, 0]  # frames read directly, frames received the usual way
+    monkeypatch.setattr(Call, "take_direct", counting(direct))
+
+    def data(rank: int, i: int) -> np.ndarray:
+        shape, dtype, _ = RS_CASES[i]
+        return ring_input(rank, i, dtype, int(np.prod(shape))).reshape(shape)
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        return [await comm.reduce_scatter(data(comm.rank, i), op)
+                for i, (_, _, op) in enumerate(RS_CASES)]
+
+    for slow in (False, True):
+        comms = await tcp_local_world(world_size)
+        if slow:
+            comms[0].tuning = Tuning(poll_us=0)
+        try:
+            results = await asyncio.gather(*(fn(c) for c in comms))
+        finally:
+            await asyncio.gather(*(c.close() for c in comms))
+        for i, (_, _, op) in enumerate(RS_CASES):
+            xs = np.stack([data(r, i) for r in range(world_size)])
+            full = {ReduceOp.SUM: xs.sum(0), ReduceOp.MAX: xs.max(0),
+                    ReduceOp.AVG: xs.sum(0) / world_size}[op]
+            for r, part in enumerate(np.array_split(full, world_size)):
+                np.testing.assert_allclose(results[r][i], part, rtol=1e-5)
+        readers = world_size - 1 if slow else world_size
+        assert sum(direct) == readers * len(RS_CASES) * (world_size - 1)
+        assert direct[0] > 0, direct
+        direct[:] = [0, 0]
