@@ -386,17 +386,18 @@ async def test_data_sent_before_a_peer_closes_still_arrives() -> None:
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
-async def test_peer_lost_in_a_collective(world_size: int) -> None:
+@pytest.mark.parametrize("n", [1000, 50_000])  # recursive doubling; the ring read directly
+async def test_peer_lost_in_a_collective(world_size: int, n: int) -> None:
     victim = world_size - 1
     async with tcp_world(world_size, timeout=30.0) as (_, comms):
         # a first collective: every connection the all_reduce needs is open
-        await asyncio.gather(*(c.all_reduce(np.ones(1000)) for c in comms))
+        await asyncio.gather(*(c.all_reduce(np.ones(n)) for c in comms))
         loop = asyncio.get_running_loop()
 
         async def survivor(comm: Communicator) -> tuple[PeerLostError, float]:
             start = loop.time()
             with pytest.raises(PeerLostError) as excinfo:
-                await comm.all_reduce(np.ones(1000))
+                await comm.all_reduce(np.ones(n))
             return excinfo.value, loop.time() - start
 
         async def kill() -> None:
@@ -418,7 +419,8 @@ async def test_peer_lost_in_a_collective(world_size: int) -> None:
                 await c.barrier()
 
 
-async def test_collective_timeout_on_tcp() -> None:
+@pytest.mark.parametrize("n", [100, 50_000])  # recursive doubling; the ring read directly
+async def test_collective_timeout_on_tcp(n: int) -> None:
     timeout = 1.5
     async with tcp_world(3, timeout=timeout) as (_, comms):
         loop = asyncio.get_running_loop()
@@ -426,7 +428,7 @@ async def test_collective_timeout_on_tcp() -> None:
         async def caller(comm: Communicator) -> tuple[BaseException, float]:
             start = loop.time()
             with pytest.raises(CollectiveError) as excinfo:
-                await comm.all_reduce(np.ones(100))
+                await comm.all_reduce(np.ones(n))
             return excinfo.value, loop.time() - start
 
         results = await asyncio.gather(caller(comms[0]), caller(comms[1]))
