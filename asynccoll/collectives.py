@@ -27,16 +27,13 @@ from .algorithms import (
     direct_all_gather,
     direct_all_reduce,
     direct_reduce_scatter,
-    direct_ring_all_reduce,
-    direct_ring_reduce_scatter,
     dissemination_barrier,
     doubling_broadcast,
     doubling_gather,
     end_barrier,
     recursive_doubling,
-    ring,
     ring_all_gather,
-    ring_reads_direct,
+    ring_all_reduce,
     ring_reduce,
     ring_reduce_scatter,
     row_bounds,
@@ -430,12 +427,7 @@ class Communicator:
                 if algo == "direct":
                     await direct_all_reduce(call, flat, op)
                 elif algo == "ring":
-                    bounds = row_bounds(flat.size, 1, call.size)
-                    if ring_reads_direct(call, flat, bounds, in_place=True):
-                        await direct_ring_all_reduce(call, flat, op)
-                    else:
-                        await ring(call, flat, bounds, op,
-                                    reduce_steps=call.size - 1, gather_steps=call.size - 1)
+                    await ring_all_reduce(call, flat, op)
                 else:
                     await recursive_doubling(call, flat, op)
             finish(a, op, call.size)
@@ -462,10 +454,7 @@ class Communicator:
             if call.size == 1:
                 out = flat.copy()
             elif algo == "ring":
-                if ring_reads_direct(call, flat, bounds, in_place=False):
-                    out = await direct_ring_reduce_scatter(call, flat, bounds, op)
-                else:
-                    out = await ring_reduce_scatter(call, flat, bounds, op)
+                out = await ring_reduce_scatter(call, flat, bounds, op)
             else:
                 out = await direct_reduce_scatter(call, flat, bounds, op)
             finish(out, op, call.size)

@@ -265,12 +265,12 @@ async def test_a_frame_already_read_by_the_event_loop(wire: Wire) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6])
 async def test_all_gather_reads_blocks_directly(world_size: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The direct all_gather over TCP takes blocks straight off the wire (some of them: in
-    one event loop a rank may find its peers' frames read by the loop already) and gathers
-    exactly, uneven blocks included."""
+    """The all_gather over TCP, direct (up to 4 ranks) or along the ring (beyond), takes
+    blocks straight off the wire (some of them: in one event loop a rank may find its peers'
+    frames read by the loop already) and gathers exactly, uneven blocks included."""
     direct = [0, 0]  # frames read directly, frames received the usual way
     monkeypatch.setattr(Call, "take_direct", counting(direct))
     comms = await tcp_local_world(world_size)
