@@ -120,6 +120,12 @@ class Call:
                                       dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
         return self.ranks[peer], head, bytes_view(arr)
 
+    @property
+    def reads_direct(self) -> bool:
+        """Whether ``take_direct`` reads frames off the wire here: a polling call on a
+        transport that ``reads_direct`` (elsewhere it posts the receives)."""
+        return bool(self.poll) and self.t.reads_direct
+
     def head_from(self, src: int, step: int, like: np.ndarray) -> bytes:
         """The head world rank ``src``'s frame of ``step`` will have when it sends an array of
         ``like``'s dtype and shape (its ``HeadCache`` encodes the same bytes): what a receiver
@@ -581,62 +587,30 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
 
 
 def ring_reads_direct(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], *,
-                      in_place: bool) -> bool:
-    """Whether ``ring`` may run as ``direct_ring_all_reduce`` (``in_place``) or
-    ``direct_ring_reduce_scatter``: a polling transport that reads frames itself, and blocks
-    (``bounds``) that are one segment of the ring each (the same frames either way); in place
-    also below ``Tuning.reduce_on_read_bytes`` (larger partial sums are added as they are
-    read, a piece at a time, which the ring does)."""
-    if call.size < 2 or not call.poll or not call.t.reads_direct:
+                      inplace: bool) -> bool:
+    """Whether ``ring`` may run as ``direct_ring``: a transport that reads frames itself
+    (``Call.reads_direct``), and blocks (``bounds``) that are one segment of the ring each
+    (the same frames either way); in place also below ``Tuning.reduce_on_read_bytes``
+    (larger partial sums are added as they are read, a piece at a time, which the ring
+    does)."""
+    if not call.reads_direct:
         return False
     size = max(1, flat.itemsize)
     width = max(b - a for a, b in bounds)
     seg = max(1, call.tuning.ring_segment(width * size, crowded=call.t.crowded) // size)
-    return width <= seg and (not in_place or width * size < call.tuning.reduce_on_read_bytes)
+    return width <= seg and (not inplace or width * size < call.tuning.reduce_on_read_bytes)
 
 
-async def direct_ring_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
-    """The ring's all_reduce where every block is one segment (the same frames as ``ring``'s,
-    so a rank running ``ring`` pairs with it), each step's block read straight off the wire
-    (``Call.take_direct``): no posted receives, no decoding, no mailbox. A partial sum from
-    the left goes into scratch and is added into the block, which then goes on to the
-    right; a finished block is read into place. Each block is reduced along one path, so
-    every rank ends bit-identical."""
-    w, r = call.size, call.rank
-    left, right = (r - 1) % w, (r + 1) % w
-    bounds = row_bounds(flat.size, 1, w)
-    spin = call.spins(flat.nbytes)
-    first = flat[slice(*bounds[(r - 1) % w])]
-    pending = [call.post(right, 0, first)]
-    call.hand_over(first.nbytes)
-    pool = call.t.scratch
-    scratch = pool.take(max(b - a for a, b in bounds), flat.dtype)
-    total = 2 * (w - 1)
-    for s in range(total):
-        reducing = s < w - 1
-        a, b = bounds[(r - s - 2) % w if reducing else (r - s + w - 2) % w]
-        block = flat[a:b]
-        if reducing:
-            part = scratch[:b - a]
-            (rcv,) = await call.take_direct([left], s, [part], spin=spin)
-            combine(block, part if rcv is None else await rcv.get(), op)
-        else:
-            (rcv,) = await call.take_direct([left], s, [block], spin=spin)
-            if rcv is not None:
-                await rcv.get()
-        if s + 1 < total:
-            pending.append(call.post(right, s + 1, block))
-    pool.give(scratch)
-    await settle(pending)
-
-
-async def direct_ring_reduce_scatter(call: Call, flat: np.ndarray,
-                                     bounds: list[tuple[int, int]], op: ReduceOp
-                                     ) -> np.ndarray:
-    """``ring_reduce_scatter`` where every block is one segment, each step's partial sum
-    read straight off the wire (``Call.take_direct``) into a slot of its own (it is sent on
-    from there), the last one into the result; ``flat`` is only read. The same frames as the
-    ring's. Returns block ``rank`` reduced (a new array)."""
+async def direct_ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]],
+                      op: ReduceOp, *, inplace: bool) -> np.ndarray | None:
+    """``ring`` where every block is one segment: its all_reduce (``inplace``) or its
+    reduce-scatter (``flat`` only read; returns block ``rank`` reduced, a new array), each
+    step's block read straight off the wire (``Call.take_direct``): no posted receives, no
+    decoding, no mailbox. The frames are the ring's, so a rank running ``ring`` pairs with
+    it. In place a partial sum from the left goes into scratch and is added into the block,
+    which goes on to the right, and a finished block is read into place; otherwise each
+    partial sum goes into a slot of its own and on from there, the last one into the result.
+    Each block is reduced along one path, so every rank ends bit-identical."""
     w, r = call.size, call.rank
     left, right = (r - 1) % w, (r + 1) % w
     width = max(b - a for a, b in bounds)
@@ -645,21 +619,36 @@ async def direct_ring_reduce_scatter(call: Call, flat: np.ndarray,
     pending = [call.post(right, 0, first)]
     call.hand_over(first.nbytes)
     pool = call.t.scratch
-    kept = w - 2  # slots for the partial sums sent on; the last step's is the result
+    # in place one slot serves every step; otherwise a slot per partial sum sent on
+    kept = 1 if inplace else w - 2
     scratch = pool.take(kept * width, flat.dtype) if kept else None
-    out = np.empty(bounds[r][1] - bounds[r][0], flat.dtype)
-    for s in range(w - 1):
-        a, b = bounds[(r - s - 2) % w]
-        if s == kept:
-            slot = out
+    out = None if inplace else np.empty(bounds[r][1] - bounds[r][0], flat.dtype)
+    total = 2 * (w - 1) if inplace else w - 1
+    for s in range(total):
+        reducing = s < w - 1
+        a, b = bounds[(r - s - 2) % w if reducing else (r - s + w - 2) % w]
+        if not reducing:  # a finished block, into place
+            ready = flat[a:b]
+            (rcv,) = await call.take_direct([left], s, [ready], spin=spin)
+            if rcv is not None:
+                await rcv.get()
         else:
-            assert scratch is not None
-            slot = scratch[s * width:s * width + b - a]
-        (rcv,) = await call.take_direct([left], s, [slot], spin=spin)
-        got = slot if rcv is None else await rcv.get()
-        combine(got, flat[a:b], op)
-        if s < kept:
-            pending.append(call.post(right, s + 1, got))
+            if out is not None and s == w - 2:
+                slot = out
+            else:
+                assert scratch is not None
+                base = 0 if inplace else s * width
+                slot = scratch[base:base + b - a]
+            (rcv,) = await call.take_direct([left], s, [slot], spin=spin)
+            got = slot if rcv is None else await rcv.get()
+            if inplace:
+                ready = flat[a:b]
+                combine(ready, got, op)
+            else:
+                ready = got
+                combine(ready, flat[a:b], op)
+        if s + 1 < total:
+            pending.append(call.post(right, s + 1, ready))
     await settle(pending)
     if scratch is not None:
         pool.give(scratch)
@@ -716,10 +705,10 @@ async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
 
 async def ring_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     """Ring all-reduce of ``flat`` in place: its blocks read straight off the wire where each
-    is one frame and the transport can (``direct_ring_all_reduce``), else ``ring``."""
+    is one frame and the transport can (``direct_ring``), else ``ring``."""
     bounds = row_bounds(flat.size, 1, call.size)
-    if ring_reads_direct(call, flat, bounds, in_place=True):
-        await direct_ring_all_reduce(call, flat, op)
+    if ring_reads_direct(call, flat, bounds, inplace=True):
+        await direct_ring(call, flat, bounds, op, inplace=True)
     else:
         await ring(call, flat, bounds, op, reduce_steps=call.size - 1,
                    gather_steps=call.size - 1)
@@ -729,11 +718,12 @@ async def ring_reduce_scatter(call: Call, flat: np.ndarray, bounds: list[tuple[i
                                op: ReduceOp) -> np.ndarray:
     """Ring reduce-scatter leaving ``flat`` untouched; returns block ``rank`` reduced (new).
     Its blocks are read straight off the wire where each is one frame and the transport can
-    (``direct_ring_reduce_scatter``)."""
-    if ring_reads_direct(call, flat, bounds, in_place=False):
-        return await direct_ring_reduce_scatter(call, flat, bounds, op)
-    mine = await ring(call, flat, bounds, op, reduce_steps=call.size - 1, gather_steps=0,
-                       inplace=False)
+    (``direct_ring``)."""
+    if ring_reads_direct(call, flat, bounds, inplace=False):
+        mine = await direct_ring(call, flat, bounds, op, inplace=False)
+    else:
+        mine = await ring(call, flat, bounds, op, reduce_steps=call.size - 1,
+                          gather_steps=0, inplace=False)
     assert mine is not None
     return mine
 
@@ -750,7 +740,7 @@ async def ring_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarray
     spin = call.spins(mine.nbytes * w)
     await copy_polling(call, blocks[r], mine)  # while the first block travels
     # each block read straight off the wire where the transport can (nothing posted for it)
-    direct = bool(call.poll) and call.t.reads_direct
+    direct = call.reads_direct
     for s in range(w - 1):
         idx = (r - s - 1) % w
         if direct:
@@ -781,7 +771,7 @@ async def direct_all_gather(call: Call, blocks: list[np.ndarray], mine: np.ndarr
     # receives (no early copy), the blocks are read straight off the wire (take_direct:
     # no posted receives, no decoding: 1 MiB over 4 ranks on 2 cores 0.87 x the time, over
     # 2 ranks 0.92 x; 8 B to 64 KiB 0.77-0.85 x)
-    direct = bool(call.poll) and call.t.reads_direct and not early
+    direct = call.reads_direct and not early
     posted: list[Recv | None] = (
         [] if direct else [call.post_recv(j, 0, blocks[j], spin=spin) for j in peers])
     pending = [call.post((r + d) % w, 0, mine) for d in range(1, w)]

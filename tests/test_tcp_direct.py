@@ -336,7 +336,7 @@ def check_ring_results(results: list[list[np.ndarray]]) -> None:
 async def test_ring_all_reduce_reads_its_blocks_directly(
         world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """An all_reduce above small_bytes whose ring blocks are one frame each reads every
-    step's block straight off the wire (direct_ring_all_reduce): exact, bit-identical on all
+    step's block straight off the wire (direct_ring): exact, bit-identical on all
     ranks, odd lengths (uneven blocks) and several dtypes and ops included."""
     direct = [0, 0]  # frames read directly, frames received the usual way
     monkeypatch.setattr(Call, "take_direct", counting(direct))
@@ -376,7 +376,7 @@ RS_CASES = [((20_001,), np.float64, ReduceOp.SUM), ((19_999, 3), np.float32, Red
 async def test_ring_reduce_scatter_reads_its_blocks_directly(
         world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reduce_scatter above small_bytes whose ring blocks are one frame each reads every
-    step's partial sum straight off the wire (direct_ring_reduce_scatter): each rank gets
+    step's partial sum straight off the wire (direct_ring): each rank gets
     its rows of the reduction exactly (uneven rows, rows of several elements, several dtypes
     and ops), and a rank that does not poll (running the ring) pairs with those that do."""
     direct = [0, 0]  # frames read directly, frames received the usual way

@@ -840,7 +840,8 @@ class TcpTransport(Transport):
                           ) -> list[asyncio.Future[Frame] | None]:
         """See Transport.take_direct. Each frame is read from the connection its sender's
         frames of that size arrive on (as ``pump`` does): its head, exactly ``len(head)``
-        bytes of it, into a buffer of its own, then the payload straight into ``into``. Only
+        bytes of it, into a buffer of its own, then the payload straight into ``into`` (a
+        frame of at most ``HEAD_READ_BYTES`` in all: both in one read, see ``_Direct``). Only
         connections whose reader sits idle at a frame boundary, and keys the mailbox knows
         nothing of, qualify; the event loop, which also reads these sockets, runs only where
         this waits (``await``), and every frame partly read is handed back to the connection's
