@@ -6,6 +6,11 @@ events behind NCCL calls) share two small tools:
 * ``poll`` awaits a completion test without blocking the loop: it yields to the loop
   (``asyncio.sleep(0)``) for a short spin period, then sleeps ``POLL_SLEEP`` between
   tests, so a long idle wait costs about a thousand cheap tests a second instead of a core.
+  The event loop's timers are coarse (uvloop's are whole milliseconds), so work that ends
+  during a sleep is seen up to about a millisecond late. Work that can say when it is done
+  (a CUDA host function behind it) passes ``arm``: once the spin is over, ``poll`` asks it for
+  a future completed from another thread (``signal_from_thread``) and awaits that instead of
+  sleeping, waking as the work ends and checking for failures every ``CHECK_EVERY``.
 * ``Turns`` makes operations that must be *issued* in the same order on every rank (MPI
   collectives on one communicator, NCCL kernels on one stream) wait for the operations that were
   called before them, when something asynchronous (a signature check, a header exchange)
@@ -15,6 +20,7 @@ events behind NCCL calls) share two small tools:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 #: seconds a wait spins on ``asyncio.sleep(0)`` before it starts sleeping between tests
@@ -24,7 +30,8 @@ POLL_SLEEP = 5e-4
 
 
 async def poll(done: Callable[[], bool], *, deadline: float,
-               check: Callable[[], None], on_timeout: Callable[[], BaseException]) -> None:
+               check: Callable[[], None], on_timeout: Callable[[], BaseException],
+               arm: Callable[[], asyncio.Future[None] | None] | None = None) -> None:
     """Return once ``done()`` is true.
 
     Args:
@@ -32,19 +39,57 @@ async def poll(done: Callable[[], bool], *, deadline: float,
         deadline: ``loop.time()`` after which ``on_timeout()`` is raised.
         check: called between tests; raises when the wait must end early (a peer aborted).
         on_timeout: builds the exception raised at the deadline.
+        arm: called once, when the spin is over and the work is not done: a future that
+            another thread completes when the work is done (``signal_from_thread``), awaited
+            from then on instead of sleeping between tests; None from it means "cannot",
+            and the wait sleeps between tests as without ``arm``. Short work never arms
+            anything (a signal has a cost: a host function, a thread waking the loop).
     """
     if done():
         return
     loop = asyncio.get_running_loop()
     spin_until = loop.time() + SPIN_SECONDS
+    signal: asyncio.Future[None] | None = None
     while True:
         check()
         now = loop.time()
         if now >= deadline:
             raise on_timeout()
-        await asyncio.sleep(0 if now < spin_until else POLL_SLEEP)
+        if now < spin_until:
+            await asyncio.sleep(0)
+        else:
+            if arm is not None:
+                signal, arm = arm(), None
+            if signal is None:
+                await asyncio.sleep(POLL_SLEEP)
+            else:
+                await asyncio.wait([signal], timeout=min(CHECK_EVERY, deadline - now))
+                if signal.done():
+                    return
         if done():
             return
+
+
+#: seconds between failure checks while ``poll`` awaits a signal
+CHECK_EVERY = 0.01
+
+
+def signal_from_thread(loop: asyncio.AbstractEventLoop
+                       ) -> tuple[asyncio.Future[None], Callable[[object], None]]:
+    """A future of ``loop`` and a function that completes it from any thread (its argument
+    is ignored: it fits ``cupy.cuda.Stream.launch_host_func``). Calling it after the loop
+    closed does nothing."""
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def fire(_arg: object = None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle)
+
+    return fut, fire
 
 
 class Turns:
@@ -85,4 +130,4 @@ class Turns:
             fut.set_result(None)
 
 
-__all__ = ["POLL_SLEEP", "SPIN_SECONDS", "Turns", "poll"]
+__all__ = ["CHECK_EVERY", "POLL_SLEEP", "SPIN_SECONDS", "Turns", "poll", "signal_from_thread"]

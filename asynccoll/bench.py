@@ -6,7 +6,8 @@ op's bus factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-
 broadcast 1), in GB/s.
 
 Runs its ranks itself (``-n N``: processes through the launcher for ``tcp``, coroutines for
-``memory``) or joins a world started by ``asynccoll run``.
+``memory``) or joins a world started by ``asynccoll run``. On ``nccl`` the buffers are CuPy
+arrays on the rank's GPU (NumPy arrays would take the TCP world underneath).
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def _iters_for(nbytes: int, fixed: int) -> int:
     return max(3, min(200, (256 << 20) // max(nbytes, 1 << 16)))
 
 
+def _zeros(comm: Any, count: int, dt: np.dtype[Any]) -> Any:
+    """A zeroed buffer of the kind ``comm``'s backend moves: CuPy on the rank's GPU for
+    ``nccl``, NumPy elsewhere."""
+    device = getattr(comm, "device", None)
+    if comm.backend != "nccl" or device is None:
+        return np.zeros(count, dt)
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.zeros(count, dt)
+
+
 async def measure(comm: Any, op: str, nbytes: int, dtype: str, iters: int, warmup: int
                   ) -> dict[str, Any]:
     """Time ``op`` on ``nbytes`` per rank; every rank must call it. Returns a table row."""
@@ -82,8 +95,8 @@ async def measure(comm: Any, op: str, nbytes: int, dtype: str, iters: int, warmu
     if op == "all_to_all":
         per = max(1, count // n)
         count = per * n
-    a = np.zeros(count, dt)
-    parts = [np.zeros(max(1, count // n), dt) for _ in range(n)]
+    a = _zeros(comm, count, dt)
+    parts = [_zeros(comm, max(1, count // n), dt) for _ in range(n)]
 
     async def once() -> None:
         if op == "all_reduce":

@@ -119,6 +119,41 @@ def test_reductions_every_dtype_and_op(fake: Any) -> None:
             np.testing.assert_array_equal(d, np.array_split(ref((6,)), W)[r], err_msg=what)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_min_max_propagate_nan_like_every_other_backend(fake: Any, dtype: str) -> None:
+    """NCCL's MIN/MAX drop a NaN met by a number (the fake does as NCCL does); the backend
+    puts it back, so the result is NumPy's, as on the memory and TCP backends."""
+
+    def data(r: int, n: int) -> np.ndarray:
+        x = np.arange(n, dtype=dtype) + r
+        x[r::W + 2] = np.nan  # each rank its own NaN positions; some columns have none
+        return x
+
+    async def fn(comm: Any) -> list[Any]:
+        got = []
+        for op in (ReduceOp.MIN, ReduceOp.MAX):
+            for n in (W * 4, W * 4 + 1):  # even and uneven reduce_scatter blocks
+                a = dev(fake, data(comm.rank, n))
+                await comm.all_reduce(a, op)
+                b = dev(fake, data(comm.rank, n))
+                root = await comm.reduce(b, root=1, op=op)
+                rows = await comm.reduce_scatter(dev(fake, data(comm.rank, n)), op)
+                got.append((op, n, a.get(), None if root is None else root.get(), rows.get()))
+        return got
+
+    for r, results in enumerate(run_nccl(fn)):
+        for op, n, a, root, rows in results:
+            ufunc = np.minimum if op is ReduceOp.MIN else np.maximum
+            want = ufunc.reduce(np.stack([data(j, n) for j in range(W)]), axis=0)
+            assert np.isnan(want).any() and not np.isnan(want).all()
+            np.testing.assert_array_equal(a, want)
+            np.testing.assert_array_equal(rows, np.array_split(want, W)[r])
+            if r == 1:
+                np.testing.assert_array_equal(root, want)
+            else:
+                assert root is None
+
+
 def test_data_movement_and_point_to_point(fake: Any) -> None:
     async def fn(comm: Any) -> dict[str, Any]:
         r = comm.rank
@@ -229,6 +264,54 @@ def test_signature_check_switch(fake: Any, check: bool) -> None:
         assert all("(4,)" in m and "(5,)" in m for m in got), got
     else:
         assert got == ["ok [3.0, 3.0, 3.0, 3.0] [3.0, 3.0, 3.0]"] * W
+
+
+def test_long_device_collectives_wake_on_a_host_function(fake: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device collective still running after the spin is woken by a host function queued
+    on a side stream behind its event; short ones never queue one."""
+    from asynccoll import _progress
+
+    async def fn(comm: Any) -> list[float]:
+        a = dev(fake, np.ones(3))
+        await comm.all_reduce(a)
+        await comm.broadcast(a)
+        return a.get().tolist()
+
+    before = fake.cuda.Stream.host_funcs
+    assert run_nccl(fn) == [[3.0] * 3] * W
+    assert fake.cuda.Stream.host_funcs == before  # done at once: no host function
+    monkeypatch.setattr(fake.cuda.Event, "lag", 10**9)  # "never done" when asked
+    monkeypatch.setattr(_progress, "SPIN_SECONDS", 0.0)
+    assert run_nccl(fn) == [[3.0] * 3] * W
+    assert fake.cuda.Stream.host_funcs - before == 2 * W
+
+
+def test_bench_times_device_arrays_on_nccl(fake: Any) -> None:
+    """``asynccoll bench --backend nccl`` must time CuPy arrays: NumPy ones would take the TCP
+    world underneath and the table would show TCP's figures under NCCL's name."""
+    from asynccoll import bench
+
+    seen: list[bool] = []
+
+    async def fn(comm: Any) -> list[dict[str, Any]]:
+        assert is_device_array(bench._zeros(comm, 4, np.dtype("float32")))
+        inner_all_reduce = comm.inner.all_reduce
+
+        async def spy(array: Any, op: Any = ReduceOp.SUM) -> Any:  # only NumPy gets here
+            seen.append(is_device_array(array))
+            return await inner_all_reduce(array, op)
+
+        comm.inner.all_reduce = spy
+        return [await bench.measure(comm, op, 4096, "float32", 3, 1)
+                for op in ("all_reduce", "all_gather", "broadcast", "all_to_all")]
+
+    for rows in run_nccl(fn):
+        assert [r["op"] for r in rows] == ["all_reduce", "all_gather", "broadcast",
+                                           "all_to_all"]
+        assert all(r["backend"] == "nccl" and r["time_us"] > 0 for r in rows)
+    # the only NumPy all_reduce is measure's own (the slowest rank's time), once per row
+    assert seen == [False] * (4 * W)
 
 
 def test_host_staging_on_the_memory_backend(fake: Any) -> None:

@@ -1,5 +1,8 @@
 """The ``"nccl"`` backend and CuPy host staging on real GPUs.
 
+One rank per GPU, then two ranks as two NCCL "hosts" (which also runs where there is one GPU),
+then a timeout that must abort a waiting NCCL kernel and reach the other rank.
+
 Every test here skips ("CuPy with a CUDA GPU is required") where CuPy or a GPU is missing, as
 on this repository's CI machine; tests/test_gpu_logic.py runs the same code paths against a
 CPU stand-in for CuPy everywhere.
@@ -46,19 +49,43 @@ def gpus() -> tuple[Any, int]:
     return got
 
 
-@pytest.mark.timeout(600)
-def test_nccl_collectives_one_rank_per_gpu(gpus: tuple[Any, int]) -> None:
-    _, count = gpus
-    n = min(count, 4)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+def _launch(script: str, n: int, **env: str) -> str:
+    """``asynccoll run -n n tests/helpers/<script>``; its output, after checking that it
+    exited 0 and that every rank printed ``OK rank R``."""
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "asynccoll", "run", "-n", str(n),
-                           "tests/helpers/nccl_check.py"], cwd=ROOT, env=env,
+                           f"tests/helpers/{script}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=540, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for r in range(n):
         assert f"OK rank {r}" in proc.stdout, out[-6000:]
+    return out
+
+
+#: Two ranks on one GPU (see ``split_hosts`` in tests/helpers/nccl_check.py): NCCL takes them
+#: for two hosts and connects them through its socket transport, on loopback only.
+SPLIT_HOSTS = {"ASYNCCOLL_CHECK_SPLIT_HOSTS": "1", "NCCL_SOCKET_IFNAME": "lo",
+               "NCCL_IB_DISABLE": "1"}
+
+
+@pytest.mark.timeout(600)
+def test_nccl_collectives_one_rank_per_gpu(gpus: tuple[Any, int]) -> None:
+    _, count = gpus
+    _launch("nccl_check.py", min(count, 4))
+
+
+@pytest.mark.timeout(600)
+def test_nccl_collectives_two_ranks_as_two_hosts(gpus: tuple[Any, int]) -> None:
+    """Every device path between two ranks, also where the machine has one GPU."""
+    _launch("nccl_check.py", 2, **SPLIT_HOSTS)
+
+
+@pytest.mark.timeout(300)
+def test_nccl_timeout_aborts_a_waiting_kernel_and_tells_the_peer(gpus: tuple[Any, int]
+                                                                 ) -> None:
+    _launch("nccl_abort.py", 2, **SPLIT_HOSTS)
 
 
 async def test_host_staging_with_real_cupy(gpus: tuple[Any, int]) -> None:

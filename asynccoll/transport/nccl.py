@@ -9,8 +9,10 @@ The ``NcclCommunicator`` it returns has the ``Communicator`` API:
 
 * **CuPy arrays** go through NCCL: each collective is enqueued on the communicator's own CUDA
   stream (after an event that orders it behind the work already queued on the caller's current
-  stream), then a CUDA event is recorded and polled (``event.done``) from the event loop, so the
-  wait never blocks other coroutines and is bounded by ``timeout``.
+  stream), then a CUDA event is recorded and polled (``event.done``) from the event loop for a
+  short spin; work still running after it gets a host function (on a side stream that waits
+  for the event) that wakes the loop as it ends. The wait never blocks other coroutines and is
+  bounded by ``timeout``.
 * **NumPy arrays** and objects go through the TCP world underneath (also ``barrier``).
 * NCCL has no gather, scatter, all-to-all or uneven all-gather: they are NCCL send/recv (or
   broadcasts) inside ``ncclGroupStart``/``ncclGroupEnd``. Reductions NCCL lacks (bitwise ops,
@@ -45,7 +47,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .._progress import Turns, poll
+from .._progress import Turns, poll, signal_from_thread
 from ..collectives import Communicator, _check_array
 from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
 from ..gpu import (
@@ -115,7 +117,9 @@ class _Plan:
     ``widen``: the same on a copy converted to ``view`` (16-bit integers through 32 bits:
     the low bits of a 32-bit sum or product are the 16-bit result); ``gather``: all-gather
     every rank's array and reduce locally, in rank order. ``parity``: keep the low bit
-    afterwards (bool XOR is the parity of the sum).
+    afterwards (bool XOR is the parity of the sum). ``nans``: NCCL's MIN and MAX return the
+    number where one operand is NaN (as ``fmin``/``fmax``), so a mask of NaNs is reduced
+    (MAX) beside the data and put back, giving NumPy's (and every other backend's) answer.
     """
 
     kind: str
@@ -123,6 +127,7 @@ class _Plan:
     nccl_op: str = ""
     view: str = ""
     parity: bool = False
+    nans: bool = False
 
     def operand(self, flat: Any) -> Any:
         """What NCCL reduces of the 1-D ``flat`` (``native`` / ``widen`` plans): ``flat``
@@ -160,7 +165,8 @@ def _plan(dtype: np.dtype[Any], op: ReduceOp) -> _Plan:
     if code in ("<i2", "<u2"):
         wide = "<i4" if code == "<i2" else "<u4"
         return _Plan("widen", _NCCL_TYPES[wide], _NCCL_OPS[op], wide)
-    return _Plan("native", _NCCL_TYPES[code], _NCCL_OPS[op], code)
+    return _Plan("native", _NCCL_TYPES[code], _NCCL_OPS[op], code,
+                 nans=kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX))
 
 
 def _head(x: Any) -> list[Any]:
@@ -212,6 +218,8 @@ class NcclCommunicator(DelegatingCommunicator):
         self._abandoned: list[Any] = []
         with cupy.cuda.Device(device):
             self._stream = cupy.cuda.Stream(non_blocking=True)
+            #: runs nothing but the host functions that wake long waits (``_signal_after``)
+            self._waker = cupy.cuda.Stream(non_blocking=True)
 
     @property
     def nccl_comm(self) -> Any:
@@ -301,10 +309,26 @@ class NcclCommunicator(DelegatingCommunicator):
                 held.append(result)
                 event = done_event
                 await poll(lambda: bool(event.done), deadline=deadline, check=self._check,
-                           on_timeout=lambda: self._timeout(sig))
+                           on_timeout=lambda: self._timeout(sig),
+                           arm=lambda: self._signal_after(event, loop))
                 return result
         finally:
             self._turns.done(ticket)
+
+    def _signal_after(self, event: Any, loop: asyncio.AbstractEventLoop
+                      ) -> asyncio.Future[None] | None:
+        """A future completed (from CUDA's callback thread) once ``event`` has happened: a
+        host function queued on a side stream that waits for it, so our stream never waits
+        for the callback. None where streams cannot run host functions (the event is polled
+        then)."""
+        launch = getattr(self._waker, "launch_host_func", None)
+        if launch is None:
+            return None
+        signal, fire = signal_from_thread(loop)
+        with self._cupy.cuda.Device(self.device):
+            self._waker.wait_event(event)
+            launch(fire, None)
+        return signal
 
     def _timeout(self, sig: tuple[Any, ...]) -> CollectiveTimeout:
         return no_progress(sig, self.rank, self.timeout)
@@ -358,22 +382,32 @@ class NcclCommunicator(DelegatingCommunicator):
         plan = _plan(a.dtype, op)
         gets_result = root is None or self.rank == root
 
+        def reduce(x: Any, dtype: Any, nop: Any) -> None:
+            ptr, stream = x.data.ptr, self._stream.ptr
+            if root is None:
+                self._comm.allReduce(ptr, ptr, x.size, dtype, nop, stream)
+            else:
+                self._comm.reduce(ptr, ptr, x.size, dtype, nop, root, stream)
+
         def enqueue(metas: list[Any] | None) -> Any:
-            nccl, cupy, stream = self._nccl, self._cupy, self._stream.ptr
+            nccl, cupy = self._nccl, self._cupy
             flat = a.reshape(-1)
             if plan.kind == "gather":
                 held = self._all_gather_rows(flat)
                 if gets_result:
                     self._reduce_locally(held, op, flat)
             else:
+                # NaN positions, taken before the data is reduced in place (``nans`` plans)
+                nans = cupy.isnan(flat).view(np.uint8) if plan.nans else None
                 held = plan.operand(flat)
-                ptr, dtype_op = held.data.ptr, plan.nccl_args(nccl)
-                if root is None:
-                    self._comm.allReduce(ptr, ptr, held.size, *dtype_op, stream)
-                else:
-                    self._comm.reduce(ptr, ptr, held.size, *dtype_op, root, stream)
+                reduce(held, *plan.nccl_args(nccl))
+                if nans is not None:
+                    reduce(nans, nccl.NCCL_UINT8, nccl.NCCL_MAX)
                 if gets_result:
                     plan.narrow(cupy, held, flat)
+                    if nans is not None:
+                        cupy.copyto(flat, cupy.nan, where=nans.view(bool))
+                held = (held, nans)
             if gets_result and op is ReduceOp.AVG:  # never a "gather" plan
                 cupy.divide(flat, self.world_size, out=flat)
             return held
@@ -446,35 +480,46 @@ class NcclCommunicator(DelegatingCommunicator):
         plan = _plan(a.dtype, rop)
         starts = offsets(counts)
 
-        def enqueue(metas: list[Any] | None) -> Any:
+        def scatter_reduce(src: Any, dst: Any, per: int, dtype: Any, nop: Any) -> None:
+            """Reduce ``src`` (``per`` NCCL elements per element) and leave this rank's
+            block in ``dst``."""
             nccl, stream = self._nccl, self._stream.ptr
+            item = src.dtype.itemsize
+            if len(set(counts)) == 1:
+                self._comm.reduceScatter(src.data.ptr, dst.data.ptr, counts[me] * per,
+                                         dtype, nop, stream)
+                return
+            nccl.groupStart()  # uneven blocks: one reduce per block, rooted at its owner
+            try:
+                for j in range(w):
+                    if counts[j]:
+                        block = src.data.ptr + starts[j] * per * item
+                        self._comm.reduce(block, dst.data.ptr if j == me else block,
+                                          counts[j] * per, dtype, nop, j, stream)
+            finally:
+                nccl.groupEnd()
+
+        def enqueue(metas: list[Any] | None) -> Any:
+            nccl = self._nccl
             flat, mine = a.reshape(-1), out.reshape(-1)
             if plan.kind == "gather":
                 every = self._all_gather_rows(flat)
                 self._reduce_locally(every[:, starts[me]:starts[me] + counts[me]], rop, mine)
                 held: Any = every
             else:
+                nans = cupy.isnan(flat).view(np.uint8) if plan.nans else None
                 src = plan.operand(flat)
                 dst = (mine.view(plan.view) if plan.kind == "native"
                        else cupy.empty(mine.size, plan.view))
                 per = src.size // max(flat.size, 1)  # 2 for complex viewed as float pairs
-                dtype, nop = plan.nccl_args(nccl)
-                item = src.dtype.itemsize
-                if len(set(counts)) == 1:
-                    self._comm.reduceScatter(src.data.ptr, dst.data.ptr, counts[me] * per,
-                                             dtype, nop, stream)
-                else:  # uneven blocks: one reduce per block, rooted at its owner
-                    nccl.groupStart()
-                    try:
-                        for j in range(w):
-                            if counts[j]:
-                                block = src.data.ptr + starts[j] * per * item
-                                self._comm.reduce(block, dst.data.ptr if j == me else block,
-                                                  counts[j] * per, dtype, nop, j, stream)
-                    finally:
-                        nccl.groupEnd()
+                scatter_reduce(src, dst, per, *plan.nccl_args(nccl))
                 plan.narrow(cupy, dst, mine)
                 held = (src, dst)
+                if nans is not None:
+                    mine_nans = cupy.empty(mine.size, np.uint8)
+                    scatter_reduce(nans, mine_nans, 1, nccl.NCCL_UINT8, nccl.NCCL_MAX)
+                    cupy.copyto(mine, cupy.nan, where=mine_nans.view(bool))
+                    held = (src, dst, nans, mine_nans)
             if rop is ReduceOp.AVG:
                 cupy.divide(out, w, out=out)
             return held

@@ -32,7 +32,9 @@ WAIT = 20.0
 
 NCCL_TYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
               6: np.float16, 7: np.float32, 8: np.float64}
-NCCL_UFUNCS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}
+#: NCCL's MAX and MIN return the number where one operand is NaN (seen with NCCL 2.28 on an
+#: H200), as np.fmax / np.fmin do
+NCCL_UFUNCS = {0: np.add, 1: np.multiply, 2: np.fmax, 3: np.fmin}
 
 
 class _Ptr:
@@ -93,6 +95,10 @@ def empty(shape: Any, dtype: Any = float) -> ndarray:
     return np.empty(shape, dtype).view(ndarray)
 
 
+def zeros(shape: Any, dtype: Any = float) -> ndarray:
+    return np.zeros(shape, dtype).view(ndarray)
+
+
 def empty_like(a: Any) -> ndarray:
     return np.empty_like(np.asarray(a)).view(ndarray)
 
@@ -113,14 +119,33 @@ class Stream:
     def synchronize(self) -> None:
         return None
 
+    def launch_host_func(self, callback: Any, arg: Any) -> None:
+        Stream.host_funcs += 1
+        callback(arg)  # the fake's work is done as it is enqueued
+
+    #: host functions launched (on any fake stream)
+    host_funcs = 0
+
 
 class Event:
+    #: queries of ``done`` that answer False before it tells the truth (a test sets it to
+    #: make waits outlast their spin, like long GPU work)
+    lag = 0
+
     def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False) -> None:
-        self.done = False
+        self._done = False
+        self._lag = Event.lag
+
+    @property
+    def done(self) -> bool:
+        if self._lag > 0:
+            self._lag -= 1
+            return False
+        return self._done
 
     def record(self, stream: Any = None) -> None:
-        self.done = True  # the fake runs everything as it is enqueued
+        self._done = True  # the fake runs everything as it is enqueued
 
 
 def get_current_stream() -> Stream:
@@ -374,7 +399,10 @@ def modules() -> dict[str, types.ModuleType]:
     cupy.ndarray = ndarray
     cupy.asarray = asarray
     cupy.empty = empty
+    cupy.zeros = zeros
     cupy.empty_like = empty_like
+    cupy.nan = np.nan
+    cupy.isnan = lambda a: np.isnan(a).view(ndarray)
     for name in ("copyto", "add", "multiply", "minimum", "maximum", "bitwise_and",
                  "bitwise_or", "bitwise_xor", "divide"):
         setattr(cupy, name, getattr(np, name))

@@ -1,18 +1,32 @@
 """The ``"nccl"`` backend on real GPUs: a few collectives checked against NumPy.
 
 Run by tests/test_nccl.py as ``asynccoll run -n N tests/helpers/nccl_check.py`` (N = number of
-GPUs, one rank per GPU); prints ``OK rank R`` when every result is right on this rank.
+GPUs, one rank per GPU; or two ranks on one GPU, see ``split_hosts``); prints ``OK rank R``
+when every result is right on this rank.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import cupy
 import numpy as np
 
 import asynccoll
 from asynccoll import ReduceOp
+
+
+def split_hosts() -> None:
+    """With ``ASYNCCOLL_CHECK_SPLIT_HOSTS=1``, give this rank its own ``NCCL_HOSTID``.
+
+    NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"); ranks with
+    different host ids are taken for separate machines and connected through NCCL's socket
+    transport (on loopback with ``NCCL_SOCKET_IFNAME=lo``), which lets a one-GPU machine run a
+    real multi-rank NCCL world. Must run before the first NCCL call of the process.
+    """
+    if os.environ.get("ASYNCCOLL_CHECK_SPLIT_HOSTS") == "1":
+        os.environ["NCCL_HOSTID"] = f"asynccoll-check-{os.environ['ASYNCCOLL_RANK']}"
 
 
 def data(dtype: str, n: int, rank: int) -> np.ndarray:
@@ -28,6 +42,7 @@ def data(dtype: str, n: int, rank: int) -> np.ndarray:
 
 
 async def main() -> None:
+    split_hosts()
     async with await asynccoll.init(backend="nccl", timeout=60.0) as comm:
         r, w = comm.rank, comm.world_size
         cases = [("float32", ReduceOp.SUM), ("float64", ReduceOp.AVG), ("int16", ReduceOp.SUM),
@@ -47,6 +62,18 @@ async def main() -> None:
                 np.testing.assert_allclose(a.get(), want, rtol=1e-6, err_msg=f"{dtype} {op}")
                 rows = await comm.reduce_scatter(cupy.asarray(data(dtype, n, r)), op)
                 np.testing.assert_allclose(rows.get(), np.array_split(want, w)[r], rtol=1e-6)
+        for op, ufunc in ((ReduceOp.MIN, np.minimum), (ReduceOp.MAX, np.maximum)):
+            def nans(j: int) -> np.ndarray:  # each rank its own NaN positions (NCCL drops NaN)
+                x = np.arange(7 * w + 1, dtype=np.float32) + j
+                x[j::w + 2] = np.nan
+                return x
+
+            want = ufunc.reduce(np.stack([nans(j) for j in range(w)]), axis=0)
+            a = cupy.asarray(nans(r))
+            await comm.all_reduce(a, op)
+            np.testing.assert_array_equal(a.get(), want, err_msg=f"NaN {op}")
+            rows = await comm.reduce_scatter(cupy.asarray(nans(r)), op)
+            np.testing.assert_array_equal(rows.get(), np.array_split(want, w)[r])
         got = await comm.all_gather(cupy.full((r + 1, 3), r, cupy.int32))
         np.testing.assert_array_equal(
             got.get(), np.concatenate([np.full((j + 1, 3), j, np.int32) for j in range(w)]))

@@ -1,0 +1,93 @@
+"""Waiting on work progressed outside the event loop (asynccoll._progress)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from asynccoll import _progress
+from asynccoll._progress import poll, signal_from_thread
+
+
+class Boom(Exception):
+    pass
+
+
+def _timeout() -> BaseException:
+    return TimeoutError("no progress")
+
+
+async def test_a_signal_from_another_thread_wakes_the_wait_at_once() -> None:
+    loop = asyncio.get_running_loop()
+    signal, fire = signal_from_thread(loop)
+    checks = 0
+
+    def check() -> None:
+        nonlocal checks
+        checks += 1
+
+    armed = 0
+
+    def arm() -> asyncio.Future[None]:
+        nonlocal armed
+        armed += 1
+        return signal
+
+    timer = threading.Timer(0.05, fire, args=(None,))
+    t0 = time.monotonic()
+    timer.start()
+    await poll(lambda: False, deadline=loop.time() + 10, check=check, on_timeout=_timeout,
+               arm=arm)
+    elapsed = time.monotonic() - t0
+    assert 0.045 <= elapsed < 0.05 + 5 * _progress.CHECK_EVERY, elapsed
+    assert armed == 1 and checks >= 1
+    fire(None)  # twice is harmless
+
+
+async def test_short_work_is_seen_while_spinning_and_arms_nothing() -> None:
+    loop = asyncio.get_running_loop()
+    calls = iter([False, False, True])
+
+    def arm() -> asyncio.Future[None]:
+        raise AssertionError("armed for work done within the spin")
+
+    await poll(lambda: next(calls), deadline=loop.time() + 10, check=lambda: None,
+               on_timeout=_timeout, arm=arm)
+
+
+async def test_an_arm_that_cannot_signal_falls_back_to_sleeping_between_tests() -> None:
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + 0.03
+    await poll(lambda: loop.time() > ends, deadline=loop.time() + 10, check=lambda: None,
+               on_timeout=_timeout, arm=lambda: None)
+    assert loop.time() > ends
+
+
+async def test_the_wait_ends_at_its_deadline_and_when_a_check_fails() -> None:
+    loop = asyncio.get_running_loop()
+    signal, _ = signal_from_thread(loop)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no progress"):
+        await poll(lambda: False, deadline=loop.time() + 0.1, check=lambda: None,
+                   on_timeout=_timeout, arm=lambda: signal)
+    assert 0.09 <= time.monotonic() - t0 < 1.0
+    failing = loop.time() + 0.1
+
+    def check() -> None:
+        if loop.time() > failing:
+            raise Boom("a peer aborted")
+
+    with pytest.raises(Boom):
+        await poll(lambda: False, deadline=loop.time() + 10, check=check, on_timeout=_timeout,
+                   arm=lambda: signal)
+
+
+def test_firing_after_the_loop_closed_does_nothing() -> None:
+    loop = asyncio.new_event_loop()
+    signal, fire = signal_from_thread(loop)
+    loop.close()
+    fire(None)
+    assert not signal.done()
