@@ -31,7 +31,8 @@ POLL_SLEEP = 5e-4
 
 async def poll(done: Callable[[], bool], *, deadline: float,
                check: Callable[[], None], on_timeout: Callable[[], BaseException],
-               arm: Callable[[], asyncio.Future[None] | None] | None = None) -> None:
+               arm: Callable[[], asyncio.Future[None] | None] | None = None,
+               spin: float = SPIN_SECONDS) -> None:
     """Return once ``done()`` is true.
 
     Args:
@@ -44,11 +45,13 @@ async def poll(done: Callable[[], bool], *, deadline: float,
             from then on instead of sleeping between tests; None from it means "cannot",
             and the wait sleeps between tests as without ``arm``. Short work never arms
             anything (a signal has a cost: a host function, a thread waking the loop).
+        spin: seconds of testing on every turn of the loop before the sleeps (or the
+            signal) begin.
     """
     if done():
         return
     loop = asyncio.get_running_loop()
-    spin_until = loop.time() + SPIN_SECONDS
+    spin_until = loop.time() + spin
     signal: asyncio.Future[None] | None = None
     while True:
         check()

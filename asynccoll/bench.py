@@ -6,8 +6,9 @@ op's bus factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-
 broadcast 1), in GB/s.
 
 Runs its ranks itself (``-n N``: processes through the launcher for ``tcp``, coroutines for
-``memory``) or joins a world started by ``asynccoll run``. On ``nccl`` the buffers are CuPy
-arrays on the rank's GPU (NumPy arrays would take the TCP world underneath).
+``memory``) or joins a world started by ``asynccoll run`` (``mpi``: by ``mpirun``). On
+``nccl`` the buffers are CuPy arrays on the rank's GPU (NumPy arrays would take the TCP world
+underneath).
 """
 
 from __future__ import annotations
@@ -212,6 +213,12 @@ def main(args: argparse.Namespace) -> int:
     from .cli import _Launcher, _run_loop
 
     under_launcher = "ASYNCCOLL_RANK" in os.environ or "RANK" in os.environ
+    if args.backend == "mpi":  # MPI's launcher makes the world
+        if args.n is not None:
+            sys.stderr.write("asynccoll bench: the mpi backend takes its ranks from MPI; "
+                             "run `mpirun -n N asynccoll bench --backend mpi`\n")
+            return 2
+        return int(_run_loop(_in_world(args)))
     if args.backend == "memory":
         if args.n is None:
             args.n = 2

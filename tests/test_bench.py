@@ -206,3 +206,12 @@ def test_profiling_scripts_run(script: str, args: list[str], expect: str) -> Non
     assert lines, proc.stdout
     if "--all-ranks" in args or script == "timeline.py":
         assert len(lines) == 2, proc.stdout
+
+
+def test_nccl_overhead_benchmark_parses_its_arguments_without_a_gpu() -> None:
+    """benchmarks/nccl_overhead.py needs GPUs to run (docs/backends/nccl.md has its figures);
+    here: it imports without CuPy and reads its options."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "nccl_overhead.py"), "--help"],
+        capture_output=True, text=True, timeout=60, env=_env(), check=True)
+    assert "--split-hosts" in proc.stdout and "--poll-only" in proc.stdout

@@ -16,6 +16,7 @@ reasonable number of cases. Without MPI these tests skip, saying what is missing
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -174,3 +175,34 @@ def test_importing_the_mpi_backend_does_not_start_mpi() -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False False"
+
+
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_bench_runs_under_mpirun() -> None:
+    proc = _mpirun(2, "-m", "asynccoll", "bench", "--backend", "mpi", "--op",
+                   "all_reduce,barrier", "--max-bytes", "4K", "--json")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [(r["op"], r["size"]) for r in rows] == [
+        ("all_reduce", 8), ("all_reduce", 64), ("all_reduce", 512), ("all_reduce", 4096),
+        ("barrier", 0)]
+    assert all(r["backend"] == "mpi" and r["ranks"] == 2 and r["time_us"] > 0 for r in rows)
+
+
+def test_bench_mpi_refuses_to_start_its_own_ranks() -> None:
+    proc = subprocess.run([sys.executable, "-m", "asynccoll", "bench", "--backend", "mpi",
+                           "-n", "2"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "mpirun -n N asynccoll bench --backend mpi" in proc.stderr
+
+
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_mpi_waits_benchmark_compares_with_mpi4py() -> None:
+    proc = _mpirun(2, "benchmarks/mpi_waits.py", "--sizes", "4096", "--iters", "3")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("4096", "float32"), ("4096", "int32")]
+    assert all(float(x) > 0 for r in rows for x in r[2:])

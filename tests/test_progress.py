@@ -91,3 +91,27 @@ def test_firing_after_the_loop_closed_does_nothing() -> None:
     loop.close()
     fire(None)
     assert not signal.done()
+
+
+async def test_a_longer_spin_tests_on_every_turn_of_the_loop() -> None:
+    """``spin``: how long the wait tests on every loop turn before sleeping between tests
+    (the MPI backend spins long: MPI moves data only while it is called)."""
+    loop = asyncio.get_running_loop()
+
+    async def tests_in(seconds: float, **kw: float) -> int:
+        calls = 0
+        ends = loop.time() + seconds
+
+        def done() -> bool:
+            nonlocal calls
+            calls += 1
+            return loop.time() > ends
+
+        await poll(done, deadline=loop.time() + 10, check=lambda: None, on_timeout=_timeout,
+                   **kw)
+        return calls
+
+    short = await tests_in(0.05)
+    long = await tests_in(0.05, spin=1.0)
+    assert short < 0.05 / _progress.POLL_SLEEP + 200  # mostly asleep between tests
+    assert long > 3 * short, (short, long)
