@@ -58,6 +58,7 @@ async def main(args: argparse.Namespace) -> None:
     from cupy.cuda import nccl
 
     import asynccoll
+    from asynccoll.transport.nccl import WAIT_SPIN_SECONDS as spin
 
     comm: Any = await asynccoll.init(backend="nccl", timeout=120.0)
     async with comm:
@@ -68,7 +69,8 @@ async def main(args: argparse.Namespace) -> None:
             print(f"# {comm.world_size} ranks, NCCL {nccl.get_version()}, CuPy "
                   f"{cupy.__version__}, {gpu}"
                   f"{', split hosts' if args.split_hosts else ''}"
-                  f"{', poll only' if args.poll_only else ''}; median us (ratio to raw)",
+                  f"{', poll only' if args.poll_only else ''}, spin {spin:g} s; "
+                  "median us (ratio to raw)",
                   flush=True)
             print(f"{'bytes':>10} " + " ".join(f"{label:>20}" for label in LABELS), flush=True)
         for nbytes in args.sizes:
@@ -104,6 +106,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="one NCCL_HOSTID per rank: several ranks on one GPU (socket transport)")
     p.add_argument("--poll-only", action="store_true",
                    help="wait as before host functions woke long waits (event polled only)")
+    p.add_argument("--spin", type=float, default=None,
+                   help="override the waits' spin (s; asynccoll.transport.nccl.WAIT_SPIN_SECONDS)")
     return p.parse_args(argv)
 
 
@@ -113,6 +117,10 @@ if __name__ == "__main__":
         os.environ["NCCL_HOSTID"] = f"asynccoll-bench-{os.environ.get('ASYNCCOLL_RANK', '0')}"
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    if ARGS.spin is not None:
+        from asynccoll.transport import nccl as backend
+
+        backend.WAIT_SPIN_SECONDS = ARGS.spin
     if ARGS.poll_only:
         from asynccoll.transport.nccl import NcclCommunicator
 

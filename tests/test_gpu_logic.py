@@ -270,7 +270,7 @@ def test_long_device_collectives_wake_on_a_host_function(fake: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A device collective still running after the spin is woken by a host function queued
     on a side stream behind its event; short ones never queue one."""
-    from asynccoll import _progress
+    from asynccoll.transport import nccl
 
     async def fn(comm: Any) -> list[float]:
         a = dev(fake, np.ones(3))
@@ -282,7 +282,7 @@ def test_long_device_collectives_wake_on_a_host_function(fake: Any,
     assert run_nccl(fn) == [[3.0] * 3] * W
     assert fake.cuda.Stream.host_funcs == before  # done at once: no host function
     monkeypatch.setattr(fake.cuda.Event, "lag", 10**9)  # "never done" when asked
-    monkeypatch.setattr(_progress, "SPIN_SECONDS", 0.0)
+    monkeypatch.setattr(nccl, "WAIT_SPIN_SECONDS", 0.0)
     assert run_nccl(fn) == [[3.0] * 3] * W
     assert fake.cuda.Stream.host_funcs - before == 2 * W
 

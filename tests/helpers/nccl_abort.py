@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
+from typing import Any
 
 import cupy
 from nccl_check import split_hosts
@@ -19,6 +21,17 @@ import asynccoll
 from asynccoll import CollectiveError, CollectiveTimeout
 
 TIMEOUT = 4.0
+
+
+async def raises(call: Awaitable[Any], error: type[BaseException], unexpected: str
+                 ) -> BaseException:
+    """The ``error`` that awaiting ``call`` raises; AssertionError(``unexpected``) if it
+    returns."""
+    try:
+        await call
+    except error as exc:
+        return exc
+    raise AssertionError(unexpected)
 
 
 async def main() -> None:
@@ -33,30 +46,19 @@ async def main() -> None:
         t0 = time.monotonic()
         if r == 0:
             comm.timeout = TIMEOUT
-            try:
-                await comm.all_reduce(a)
-            except CollectiveTimeout as exc:
-                print(f"rank 0 timed out after {time.monotonic() - t0:.1f} s: {exc}", flush=True)
-            else:
-                raise AssertionError("all_reduce returned though rank 1 never called it")
+            exc = await raises(comm.all_reduce(a), CollectiveTimeout,
+                               "all_reduce returned though rank 1 never called it")
+            print(f"rank 0 timed out after {time.monotonic() - t0:.1f} s: {exc}", flush=True)
             assert time.monotonic() - t0 < TIMEOUT + 10
         else:
             comm.timeout = 30.0  # longer than rank 0's: the abort must end this wait
-            try:
-                await comm.barrier()
-            except CollectiveTimeout:
-                raise AssertionError("rank 0's abort did not reach rank 1") from None
-            except CollectiveError as exc:
-                print(f"rank 1 told after {time.monotonic() - t0:.1f} s: {exc}", flush=True)
-            else:
-                raise AssertionError("barrier returned though rank 0 never entered it")
+            exc = await raises(comm.barrier(), CollectiveError,
+                               "barrier returned though rank 0 never entered it")
+            assert not isinstance(exc, CollectiveTimeout), "rank 0's abort did not reach rank 1"
+            print(f"rank 1 told after {time.monotonic() - t0:.1f} s: {exc}", flush=True)
             assert time.monotonic() - t0 < TIMEOUT + 20
-        try:
-            await comm.all_reduce(cupy.ones(3))
-        except CollectiveError:
-            pass
-        else:
-            raise AssertionError("a broken communicator accepted a collective")
+        await raises(comm.all_reduce(cupy.ones(3)), CollectiveError,
+                     "a broken communicator accepted a collective")
     print(f"OK rank {r}", flush=True)
 
 
