@@ -1,7 +1,7 @@
 """Waiting on work that another library progresses (MPI requests, CUDA events) from asyncio.
 
 Backends whose operations complete outside the event loop (mpi4py non-blocking requests, CUDA
-events behind NCCL calls) share two small tools:
+events behind NCCL calls) share these small tools:
 
 * ``poll`` awaits a completion test without blocking the loop: it yields to the loop
   (``asyncio.sleep(0)``) for a short spin period, then sleeps ``POLL_SLEEP`` between
@@ -27,6 +27,8 @@ from collections.abc import Callable
 SPIN_SECONDS = 2e-4
 #: seconds between tests once spinning is over (asyncio timers have ~1 ms resolution anyway)
 POLL_SLEEP = 5e-4
+#: seconds between failure checks while ``poll`` awaits a signal
+CHECK_EVERY = 0.01
 
 
 async def poll(done: Callable[[], bool], *, deadline: float,
@@ -71,10 +73,6 @@ async def poll(done: Callable[[], bool], *, deadline: float,
                     return
         if done():
             return
-
-
-#: seconds between failure checks while ``poll`` awaits a signal
-CHECK_EVERY = 0.01
 
 
 def signal_from_thread(loop: asyncio.AbstractEventLoop
