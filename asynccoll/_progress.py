@@ -107,6 +107,11 @@ class Turns:
         self._done: set[int] = set()
         self._waiters: dict[int, asyncio.Future[None]] = {}
 
+    def ready(self, ticket: int) -> bool:
+        """Whether every ticket before ``ticket`` is done (``wait`` would return at once;
+        callers skip setting up a timeout for it then)."""
+        return ticket <= self._now
+
     async def wait(self, ticket: int) -> None:
         """Return once every ticket before ``ticket`` is done."""
         if ticket <= self._now:

@@ -115,3 +115,17 @@ async def test_a_longer_spin_tests_on_every_turn_of_the_loop() -> None:
     long = await tests_in(0.05, spin=1.0)
     assert short < 0.05 / _progress.POLL_SLEEP + 200  # mostly asleep between tests
     assert long > 3 * short, (short, long)
+
+
+async def test_turns_ready_says_when_wait_would_return_at_once() -> None:
+    from asynccoll._progress import Turns
+
+    turns = Turns()
+    assert turns.ready(0) and not turns.ready(1)
+    waiter = asyncio.ensure_future(turns.wait(2))
+    turns.done(1)  # out of order: ticket 2 still waits for 0
+    await asyncio.sleep(0)
+    assert not turns.ready(2) and not waiter.done()
+    turns.done(0)
+    await asyncio.wait_for(waiter, 1)
+    assert turns.ready(2) and not turns.ready(3)

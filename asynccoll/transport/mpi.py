@@ -132,11 +132,12 @@ class _Op:
     async def stage(self, s: int) -> Any:
         """Wait for the turn to issue on stage communicator ``s``; returns that communicator."""
         comm = self.comm
-        try:
-            async with asyncio.timeout_at(self.deadline):
-                await comm._turns[s].wait(self.ticket)
-        except TimeoutError:
-            raise self.timeout_error() from None
+        if not comm._turns[s].ready(self.ticket):
+            try:
+                async with asyncio.timeout_at(self.deadline):
+                    await comm._turns[s].wait(self.ticket)
+            except TimeoutError:
+                raise self.timeout_error() from None
         comm._world.check()
         return comm._stage_comms[s]
 

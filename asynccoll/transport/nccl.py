@@ -304,11 +304,12 @@ class NcclCommunicator(DelegatingCommunicator):
                         other = next((j for j, m in enumerate(metas) if m[0] != mine[0]), None)
                         if other is not None:
                             raise signature_mismatch(self.rank, mine[1], other, metas[other][1])
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await self._turns.wait(ticket)
-                except TimeoutError:
-                    raise self._timeout(sig) from None
+                if not self._turns.ready(ticket):
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            await self._turns.wait(ticket)
+                    except TimeoutError:
+                        raise self._timeout(sig) from None
                 self._check()
                 with self._on_stream() as stream:
                     result = enqueue(metas)
