@@ -715,11 +715,11 @@ async def ring_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
 
 
 async def ring_reduce_scatter(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]],
-                               op: ReduceOp) -> np.ndarray:
+                              op: ReduceOp, *, direct: bool = True) -> np.ndarray:
     """Ring reduce-scatter leaving ``flat`` untouched; returns block ``rank`` reduced (new).
-    Its blocks are read straight off the wire where each is one frame and the transport can
-    (``direct_ring``)."""
-    if ring_reads_direct(call, flat, bounds, inplace=False):
+    With ``direct``, its blocks are read straight off the wire where each is one frame and
+    the transport can (``direct_ring``)."""
+    if direct and ring_reads_direct(call, flat, bounds, inplace=False):
         mine = await direct_ring(call, flat, bounds, op, inplace=False)
     else:
         mine = await ring(call, flat, bounds, op, reduce_steps=call.size - 1,
@@ -982,13 +982,11 @@ async def ring_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp) -> 
     """Ring reduce-scatter, then every rank sends its reduced block to the root."""
     w, r = call.size, call.rank
     bounds = row_bounds(flat.size, 1, w)
-    # the ring itself, also where its blocks could be read directly: beside the agreement
+    # the plain ring (direct=False) even where blocks could be read directly: beside the agreement
     # round a reduce runs, that measured no faster (1 MiB, 2 and 4 ranks, two pairs of
     # launches each: 182.5 and 223.5 against 184.4 and 230.5 us; 1092 and 947 against
     # 1098 and 1032)
-    mine = await ring(call, flat, bounds, op, reduce_steps=w - 1, gather_steps=0,
-                      inplace=False)
-    assert mine is not None
+    mine = await ring_reduce_scatter(call, flat, bounds, op, direct=False)
     if r != root:
         await call.send(root, 1 << 30, mine)
         return

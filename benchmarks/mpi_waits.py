@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import numpy as np
+from workers import parse_size  # benchmarks/ is on sys.path when run as a script
 
 
 def raw(comm: Any, mpi: Any, a: np.ndarray, blocking: bool, iters: int) -> float:
@@ -70,8 +71,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=lambda t: [int(x) for x in t.split(",")],
-                   default=[1 << 18, 1 << 21], help="bytes, comma-separated")
+    p.add_argument("--sizes", type=lambda t: [parse_size(x) for x in t.split(",")],
+                   default=[1 << 18, 1 << 21], help="bytes, comma-separated (e.g. 256K,2M)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--spin", type=float, default=None, help="override the waits' spin (s)")
     asyncio.run(main(p.parse_args()))

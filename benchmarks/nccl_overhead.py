@@ -30,15 +30,9 @@ import sys
 import time
 from typing import Any
 
+from workers import parse_size  # benchmarks/ is on sys.path when run as a script
+
 LABELS = ("raw", "asynccoll", "nocheck", "tcp-check")
-
-
-def _size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("K", 1 << 10), ("M", 1 << 20)):
-        if text.endswith(suffix):
-            return int(text[:-1]) * mult
-    return int(text)
 
 
 async def once(label: str, comm: Any, a: Any, stream: Any, nccl: Any) -> None:
@@ -98,7 +92,7 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=lambda t: [_size(x) for x in t.split(",")],
+    p.add_argument("--sizes", type=lambda t: [parse_size(x) for x in t.split(",")],
                    default=[8, 64 << 10, 1 << 20, 16 << 20], help="bytes, e.g. 8,64K,1M,16M")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
