@@ -290,8 +290,11 @@ class HeadCache:
 
 def _read_uint(b: bytes, pos: int) -> tuple[int, int]:
     """A msgpack unsigned int at ``b[pos]``: ``(value, next position)``; ``(-1, pos)`` when
-    something else is there."""
-    t = b[pos]
+    something else is there (or nothing: a header cut short)."""
+    try:
+        t = b[pos]
+    except IndexError:
+        return -1, pos
     if t < 0x80:
         return t, pos + 1
     width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(t)
@@ -300,16 +303,26 @@ def _read_uint(b: bytes, pos: int) -> tuple[int, int]:
     return int.from_bytes(b[pos + 1:pos + 1 + width], "big"), pos + 1 + width
 
 
+#: the keys "g" and "q" in each msgpack str format (fixstr, str8, str16, str32)
+_GQ_KEYS: Final = tuple(fmt + key for key in (b"g", b"q")
+                        for fmt in (b"\xa1", b"\xd9\x01", b"\xda\x00\x01", b"\xdb\x00\x00\x00\x01"))
+
+
 class HeaderMemo:
     """Decodes the DATA and P2P headers of one stream, remembering the ones it has seen.
 
     The receiving side of ``HeadCache``: a header that differs from one decoded before
     only by its group and sequence number (read straight from the bytes) is not decoded and
     validated again. Anything else goes through ``decode_header``, which validates it
-    fully. Bounded: it starts over after ``limit`` distinct headers (each entry holds a few
-    hundred bytes; there is one memo per incoming connection, and a collective's frames on one
-    connection differ by step and shape only, so a few distinct headers is the usual case).
+    fully. Bounded: it starts over after ``limit`` distinct headers, and a header whose part
+    after the sequence number exceeds ``MAX_REST`` bytes is decoded every time instead of
+    remembered (a peer's huge signatures cannot fill the memory; there is one memo per
+    incoming connection, and a collective's frames on one connection differ by step and shape
+    only, so a few distinct headers of a hundred bytes or so is the usual case).
     """
+
+    #: the longest header tail (bytes after the sequence number) that is remembered
+    MAX_REST: Final = 1024
 
     __slots__ = ("_seen", "limit")
 
@@ -354,9 +367,9 @@ class HeaderMemo:
         header = _decode_data_header(b)
         expected = header.expected_payload()
         # remember it unless the map repeats a key this shortcut reads (then msgpack's "last
-        # one wins" would disagree with what was read here)
-        if header.group == group and header.seq == seq and b"\xa1g" not in rest \
-                and b"\xa1q" not in rest and header.meta is None:
+        # one wins" would disagree with what was read here), in any str format
+        if header.group == group and header.seq == seq and header.meta is None \
+                and len(rest) <= self.MAX_REST and not any(k in rest for k in _GQ_KEYS):
             if len(self._seen) >= self.limit:
                 self._seen.clear()
             self._seen[key] = (header.step, header.tag, header.src, header.dtype, header.shape,
@@ -486,15 +499,15 @@ def _trusted_header(group: int, seq: int, step: int, tag: int, src: int, dtype: 
 
 
 def _flat_enough(sig: tuple[Any, ...]) -> bool:
-    """``not _too_deep(sig)``, without recursing for the usual signature (scalars and flat
-    tuples of scalars, such as a shape)."""
+    """``not _too_deep(sig)`` for a sig at level 2 (in the header map), without recursing
+    for the usual signature (scalars and flat tuples of scalars, such as a shape)."""
     for child in sig:
         if type(child) is tuple:
             for grandchild in child:
                 if isinstance(grandchild, (list, tuple, dict)):
-                    return not _too_deep(sig)
+                    return not _too_deep(sig, 2)
         elif isinstance(child, (list, dict)):
-            return not _too_deep(sig)
+            return not _too_deep(sig, 2)
     return True
 
 
@@ -624,10 +637,18 @@ def dtype_code(dtype: np.dtype[Any]) -> str:
 
 
 def array_view(payload: Any, dtype: str, shape: Sequence[int]) -> np.ndarray:
-    """A NumPy array over a received payload, without copying."""
+    """A NumPy array over a received payload, without copying.
+
+    Raises:
+        ProtocolError: an empty payload whose (valid) shape NumPy cannot represent, its
+            non-zero dimensions multiplying past the largest array size.
+    """
     dt = np.dtype(dtype)
     if not len(payload):
-        return np.empty(tuple(shape), dtype=dt)
+        try:
+            return np.empty(tuple(shape), dtype=dt)
+        except ValueError:
+            raise ProtocolError(f"shape {tuple(shape)} cannot be a NumPy array") from None
     return np.frombuffer(payload, dtype=dt).reshape(tuple(shape))
 
 

@@ -97,6 +97,14 @@ def array_frame(kind: FrameKind, array: np.ndarray, **fields: Any) -> Frame:
     return Frame(kind, header, array.astype(array.dtype.newbyteorder("<")).tobytes())
 
 
+def _nested(levels: int) -> tuple[Any, ...]:
+    """``levels`` tuples, each holding the next, the innermost holding 0."""
+    value: Any = 0
+    for _ in range(levels):
+        value = (value,)
+    return value  # type: ignore[no-any-return]
+
+
 def valid_frames() -> list[tuple[str, Frame]]:
     d, p2p = FrameKind.DATA, FrameKind.P2P
     return [
@@ -127,6 +135,8 @@ def valid_frames() -> list[tuple[str, Frame]]:
         ("data_sig_nested", array_frame(
             d, np.array([[513]], dtype=np.uint16), group=4, seq=9, step=1, src=1,
             sig=(1, (2, (3, None)), None, "x", (), -5))),
+        ("data_sig_at_depth_limit", array_frame(  # c is level 2, its innermost array 32
+            d, np.array([1], dtype=np.uint8), seq=10, sig=_nested(wire.MAX_HEADER_DEPTH - 1))),
         ("data_big_ints", array_frame(
             d, np.array([U64], dtype=np.uint64), group=U64 - 1, seq=U64, step=U32,
             tag=(1 << 63) - 1, src=U32)),
@@ -199,6 +209,8 @@ def invalid_streams() -> list[dict[str, Any]]:
     add("header_not_map", raw_frame(4, msgpack.packb([0, 0, 0, 0, 0])), "must be a msgpack map")
     add("header_int_key", raw_frame(4, b"\x86" + bye[1:] + b"\x01\x00"), "not valid msgpack")
     add("header_too_deep", raw_frame(4, base(c=deep)), "nests deeper")
+    add("data_sig_too_deep", raw_frame(1, base(d="|u1", h=[1], c=deep), b"\x00"),
+        "nests deeper")
     # header: fields
     add("missing_field_src", raw_frame(4, body(g=0, q=0, s=0, t=0)), "lacks field 'r'")
     add("missing_field_group_bin_key", raw_frame(

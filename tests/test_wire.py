@@ -543,6 +543,21 @@ def test_header_memo_rejects_what_decode_header_rejects(data: bytes,
             assert memo.decode(candidate, kind) == expected
 
 
+def test_header_memo_remembers_only_short_headers() -> None:
+    """A header with a huge signature decodes the same through the memo, every time, but is
+    not remembered: one peer's large headers cannot fill a connection's memo."""
+    memo = wire.HeaderMemo(limit=4)
+    for sig_len, remembered in ((8, True), (4000, False)):
+        memo._seen.clear()
+        header = FrameHeader(group=1, seq=5, step=0, tag=0, src=1, dtype="<f4", shape=(2,),
+                             sig=tuple(range(sig_len)))
+        body = memoryview(wire.encode_head(FrameKind.DATA, header, 8))[wire.PREFIX_SIZE:]
+        for _ in range(2):
+            assert memo.decode(body, FrameKind.DATA) == header
+        assert bool(memo._seen) is remembered
+        assert all(len(key) <= wire.HeaderMemo.MAX_REST + 1 for key in memo._seen)
+
+
 # ----------------------------------------------------------------------------------- memory
 
 def _peak_while(fn: Any) -> int:
@@ -853,3 +868,121 @@ def test_reader_one_frame_at_a_time_applies_later_settings_to_later_frames() -> 
     reader.get_buffer()[:len(stream)] = stream
     with pytest.raises(ProtocolError):
         reader.buffer_updated(len(stream))
+
+
+# ------------------------------------------------- the stream reader against the decoder
+
+def _reader_outcome(data: bytes, reads: list[int], max_payload: int
+                    ) -> tuple[list[bytes], bool]:
+    """Feed ``data`` to a BufferedFrameReader, each read at most the next of ``reads`` bytes;
+    the frames out (re-encoded) and whether it ended in a ProtocolError or mid-frame.
+    Any other exception propagates and fails the test."""
+    reader = wire.BufferedFrameReader(max_payload=max_payload)
+    out: list[bytes] = []
+    pos = k = 0
+    try:
+        while pos < len(data):
+            buf = reader.get_buffer()
+            assert buf.nbytes > 0
+            n = min(buf.nbytes, reads[k % len(reads)], len(data) - pos)
+            k += 1
+            buf[:n] = data[pos:pos + n]
+            pos += n
+            out += [wire.encode_frame_bytes(f) for f in reader.buffer_updated(n)]
+    except ProtocolError:
+        return out, True
+    return out, not reader.idle
+
+
+@given(data=st.one_of(ARBITRARY, st.builds(mutate, st.sampled_from(ALL_VALID_BYTES),
+                                           st.lists(_mutation, max_size=3))),
+       reads=st.lists(st.integers(min_value=1, max_value=600), min_size=1, max_size=8))
+@FUZZ
+def test_reader_accepts_and_rejects_what_the_decoder_does(data: bytes, reads: list[int]) -> None:
+    """BufferedFrameReader (the TCP path, through HeaderMemo) on any input, read in any
+    sizes: the decoder's frames (those of a read that ends in the error may be dropped) and
+    a ProtocolError where the decoder has one, never another exception."""
+    frames, err = outcome([data], MiB)
+    for sizes in (reads, [1]):  # and one byte at a time
+        got, failed = _reader_outcome(data, sizes, MiB)
+        assert failed == (err is not None)
+        assert got == (frames[:len(got)] if failed else frames)
+
+
+def test_truncated_data_headers_are_protocol_errors_through_the_memo() -> None:
+    """Every prefix of a DATA or P2P header, also of ones that stop right after the group
+    and the "q" key, is rejected by the memo as by decode_header (a ProtocolError)."""
+    bodies = []
+    for raw in ALL_VALID_BYTES:
+        kind, header_len, _ = wire.parse_prefix(raw[:wire.PREFIX_SIZE])
+        if kind in (FrameKind.DATA, FrameKind.P2P):
+            bodies.append(raw[wire.PREFIX_SIZE:wire.PREFIX_SIZE + header_len])
+    for group in (0, 0x80, 0x100, 1 << 16, 1 << 32):
+        bodies.append(wire.encode_head(FrameKind.DATA, FrameHeader(
+            group=group, seq=group, dtype="<f4", shape=(0,)), 0)[wire.PREFIX_SIZE:])
+    for body in bodies:
+        for end in range(len(body)):
+            with pytest.raises(ProtocolError):
+                wire.decode_header(body[:end], FrameKind.DATA)
+            for memo in (wire.HeaderMemo(), wire.HeaderMemo()):
+                memo.decode(body, FrameKind.DATA)  # the second one has seen the whole header
+                with pytest.raises(ProtocolError):
+                    memo.decode(body[:end], FrameKind.DATA)
+
+
+@pytest.mark.parametrize("key", [b"\xd9\x01g", b"\xda\x00\x01g", b"\xdb\x00\x00\x00\x01g",
+                                 b"\xd9\x01q", b"\xda\x00\x01q", b"\xdb\x00\x00\x00\x01q"])
+def test_header_memo_keeps_the_last_of_duplicate_keys(key: bytes) -> None:
+    """A repeated "g" or "q" key in a longer str format (not canonical, but valid msgpack):
+    the memo decodes it as decode_header does (the last one wins), also once it has seen the
+    header with the repeated key's value up front."""
+    def body(first: int) -> bytes:
+        return (b"\x88\xa1g" + bytes([first]) + b"\xa1q" + bytes([first])
+                + msgpack.packb({"s": 0, "t": 0, "r": 0, "d": "<f4", "h": [0]})[1:]
+                + key + b"\x05")
+    memo = wire.HeaderMemo()
+    for first in (5, 7):
+        expected = wire.decode_header(body(first), FrameKind.DATA)
+        assert (expected.group if key.endswith(b"g") else expected.seq) == 5
+        assert memo.decode(body(first), FrameKind.DATA) == expected
+
+
+@pytest.mark.parametrize("shape", [(0, 1 << 62), (1 << 62, 0, 4), (0,) + ((1 << 63) - 1,) * 31])
+def test_empty_shape_numpy_cannot_hold_is_a_protocol_error(shape: tuple[int, ...]) -> None:
+    """A zero-size shape is valid whatever its other dimensions (spec: each 0 .. 2^63-1) and
+    decodes; one NumPy cannot represent (the product of the others overflows) makes
+    array_view raise ProtocolError, not numpy's ValueError."""
+    frame = Frame(FrameKind.P2P, FrameHeader(src=1, dtype="<f4", shape=shape), b"")
+    (decoded,) = wire.decode_frames(wire.encode_frame_bytes(frame))
+    assert decoded == frame
+    with pytest.raises(ProtocolError, match="shape"):
+        wire.array_view(decoded.payload, "<f4", shape)
+
+
+@pytest.mark.parametrize("kind", [FrameKind.DATA, FrameKind.P2P, FrameKind.BYE])
+def test_nesting_limit_is_the_same_on_every_path(kind: FrameKind) -> None:
+    """The header map is level 1 and ``c`` level 2: a sig whose arrays reach level 32 is
+    valid, one level more is not, for DATA and P2P headers (their own fast path and the
+    memo) as for the others, and on encode."""
+    def sig(levels: int) -> tuple[Any, ...]:  # ``levels`` arrays deep, c itself included
+        value: Any = 0
+        for _ in range(levels):
+            value = (value,)
+        return value  # type: ignore[no-any-return]
+
+    for levels, ok in ((wire.MAX_HEADER_DEPTH - 1, True), (wire.MAX_HEADER_DEPTH, False)):
+        fields = {"g": 0, "q": 0, "s": 0, "t": 0, "r": 0, "d": "<f4", "h": [0], "c": sig(levels)}
+        body = msgpack.packb(fields)
+        header = FrameHeader(dtype="<f4", shape=(0,), sig=sig(levels))
+        if ok:
+            assert wire.decode_header(body, kind) == header
+            assert wire.HeaderMemo().decode(body, kind) == header
+            assert wire.encode_head(kind, header, 0)[wire.PREFIX_SIZE:] == body
+        else:
+            with pytest.raises(ProtocolError, match="deeper"):
+                wire.decode_header(body, kind)
+            with pytest.raises(ProtocolError, match="deeper"):
+                wire.HeaderMemo().decode(body, kind)
+            with pytest.raises(ProtocolError, match="deeper"):
+                wire.encode_head(kind, header, 0)
+        assert (drive([raw_frame(kind, body)])[1] is None) == ok
