@@ -175,6 +175,25 @@ async def test_wait(client: RendezvousClient) -> None:
         await client.wait(["x", "y"], timeout=0.1)
 
 
+async def test_wait_sees_a_key_written_and_deleted_before_it_woke(
+        server: RendezvousServer, client: RendezvousClient) -> None:
+    # wait() promises that each key existed at some moment: a set and a delete that the server
+    # runs back to back (here pipelined on one connection) must still release the waiter.
+    waiter = asyncio.create_task(client.wait(["flash"], timeout=2))
+    await asyncio.sleep(0.05)
+    reader, writer = await authenticated_raw(server)
+    try:
+        writer.write(request(1, "set", b"v", key="flash") + request(2, "delete", key="flash"))
+        for _ in range(2):
+            frame = await read_frame(reader, MAX_VALUE)
+            assert frame is not None and frame.header.meta is not None
+            assert frame.header.meta["ok"]
+        await waiter  # released, not "timed out"
+    finally:
+        waiter.cancel()
+        await raw_close(writer)
+
+
 async def test_add(client: RendezvousClient) -> None:
     assert await client.add("n", 5) == 5
     assert await client.add("n", -7) == -2
@@ -597,6 +616,37 @@ async def test_connect_retries_until_server_starts() -> None:
         await srv.close()
 
 
+async def test_connect_retries_a_host_with_several_addresses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # "localhost" often resolves to ::1 and 127.0.0.1; while nobody listens yet, asyncio raises
+    # one combined OSError for both refusals, which must be retried like a single refusal.
+    port, unused = _free_port(), _free_port()
+    loop = asyncio.get_running_loop()
+    resolve = loop.getaddrinfo
+
+    async def two_addresses(host: str, p: int, **kwargs: Any) -> Any:
+        if host == "rendezvous.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", a))
+                    for a in (unused, p)]
+        return await resolve(host, p, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", two_addresses)
+
+    async def late_server() -> RendezvousServer:
+        await asyncio.sleep(0.3)
+        srv = RendezvousServer(port=port, token=TOKEN)
+        await srv.start()
+        return srv
+
+    starter = asyncio.create_task(late_server())
+    try:
+        async with await RendezvousClient.connect("rendezvous.test", port, token=TOKEN,
+                                                  timeout=5) as c:
+            await c.set("k", b"v")
+    finally:
+        await (await starter).close()
+
+
 async def test_connect_without_retry_or_past_timeout() -> None:
     port = _free_port()
     with pytest.raises(RendezvousError, match="could not connect"):
@@ -634,6 +684,12 @@ async def test_server_properties_and_double_start() -> None:
         assert srv.host == "127.0.0.1" and srv.port > 0
         with pytest.raises(RuntimeError):
             await srv.start()
+
+
+async def test_bad_job_refused_at_construction() -> None:
+    # checked once, up front, not by every handshake (which reset each client's connection)
+    with pytest.raises(TypeError, match="job must be a str"):
+        RendezvousServer(token=TOKEN, job=None)  # type: ignore[arg-type]
 
 
 async def test_serve_logs_address_and_runs_until_cancelled(logs: LogWatch) -> None:

@@ -124,15 +124,17 @@ class RendezvousClient:
                 raise RendezvousError(
                     f"could not connect to the rendezvous server at {address} within "
                     f"{timeout} s") from None
-            except ConnectionError as exc:
-                if not connect_retry or loop.time() + delay >= deadline:
+            except OSError as exc:
+                # Refused: the server may not be up yet. A host with several addresses (as
+                # "localhost" often has: ::1 and 127.0.0.1) that all failed raises asyncio's
+                # combined OSError("Multiple exceptions: ..."), which has no errno.
+                retry = isinstance(exc, ConnectionError) or (
+                    type(exc) is OSError and exc.errno is None)
+                if not (retry and connect_retry) or loop.time() + delay >= deadline:
                     raise RendezvousError(f"could not connect to the rendezvous server at "
                                           f"{address}: {exc}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
-            except OSError as exc:
-                raise RendezvousError(f"could not connect to the rendezvous server at "
-                                      f"{address}: {exc}") from exc
         # A server that came up just before the deadline still gets a fair handshake.
         budget = max(deadline - loop.time(), min(timeout, 5.0))
         try:

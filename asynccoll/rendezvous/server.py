@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import operator
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -116,6 +114,8 @@ class RendezvousServer:
             raise ValueError("send_timeout must be a positive number")
         if token is not None and not isinstance(token, str | bytes):
             raise TypeError("token must be str, bytes or None")
+        if not isinstance(job, str):
+            raise TypeError(f"job must be a str, not {type(job).__name__}")
         self._bind = (host, port)
         self._token = token
         self._job = job
@@ -299,21 +299,24 @@ class RendezvousServer:
             if not fut.done():
                 fut.set_result(None)
 
+    async def _next_wake(self, topic: Any) -> None:
+        """Return when ``topic`` is next woken. Unbounded: callers wrap it in ``_bounded``."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(topic, set()).add(fut)
+        try:
+            await fut
+        finally:
+            waiting = self._waiters.get(topic)
+            if waiting is not None:
+                waiting.discard(fut)
+                if not waiting:
+                    del self._waiters[topic]
+
     async def _wait_until(self, topic: Any, predicate: Callable[[], bool]) -> None:
         """Return once ``predicate()`` holds, re-checking it whenever ``topic`` is woken.
         Unbounded: callers wrap it in ``_bounded``."""
-        loop = asyncio.get_running_loop()
         while not predicate():
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.setdefault(topic, set()).add(fut)
-            try:
-                await fut
-            finally:
-                waiting = self._waiters.get(topic)
-                if waiting is not None:
-                    waiting.discard(fut)
-                    if not waiting:
-                        del self._waiters[topic]
+            await self._next_wake(topic)
 
     @staticmethod
     async def _bounded(wait: Awaitable[None], limit: float, what: Callable[[], str]) -> None:
@@ -371,11 +374,12 @@ class RendezvousServer:
             return {}, b""
 
         async def wait_all() -> None:
-            # Earlier keys may be deleted while later ones are awaited; wait() promises that
-            # each key existed at some moment, which is what barriers built on it need.
+            # wait() promises that each key existed at some moment, which is what barriers
+            # built on it need: earlier keys may be deleted while later ones are awaited, and a
+            # wake means the key was just written, even if it is deleted before this task runs.
             for key in keys:
-                present = functools.partial(operator.contains, data, key)
-                await self._wait_until(("key", key), present)
+                if key not in data:
+                    await self._next_wake(("key", key))
 
         async def later() -> _Result:
             await self._bounded(wait_all(), timeout,
