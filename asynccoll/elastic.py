@@ -98,6 +98,9 @@ class ElasticGroup:
         self.generation: Generation | None = None
         self._server = server
         self._poll = 0.02
+        #: the generation this process last added itself to (a retry of ``form`` after a
+        #: timeout waits in it again instead of counting itself twice)
+        self._joined = -1
 
     @classmethod
     async def connect(cls, *, min_nodes: int | None = None, max_nodes: int | None = None,
@@ -130,6 +133,8 @@ class ElasticGroup:
             raise ValueError(f"rendezvous must be host:port, got {rendezvous!r}")
         if min_nodes < 1 or max_nodes < min_nodes:
             raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
+        if settle < 0:
+            raise ValueError(f"settle must be >= 0, got {settle}")
         token = token if token is not None else os.environ.get("ASYNCCOLL_TOKEN")
         client = await RendezvousClient.connect(host, int(port_s), token=token, timeout=timeout)
         return cls(client, min_nodes=min_nodes, max_nodes=max_nodes, settle=settle,
@@ -163,10 +168,12 @@ class ElasticGroup:
         c = self.client
         base = f"{PREFIX}/{g}"
         prev = self.generation
-        index = await c.add(f"{base}/joined", 1) - 1
-        record = {"id": self.id, "gen": prev.number if prev else -1,
-                  "rank": prev.rank if prev else -1}
-        await c.set(f"{base}/m/{index}", json.dumps(record))
+        if self._joined != g:
+            index = await c.add(f"{base}/joined", 1) - 1
+            record = {"id": self.id, "gen": prev.number if prev else -1,
+                      "rank": prev.rank if prev else -1}
+            await c.set(f"{base}/m/{index}", json.dumps(record))
+            self._joined = g
         last_n, last_change = -1, time.monotonic()
         while True:
             try:
@@ -175,7 +182,13 @@ class ElasticGroup:
             except KeyError:
                 pass
             if await self.current_round() > g:
-                return None              # moved on before this one closed
+                # a newer round opens only once this one closed: it may have closed (with
+                # this process in it) just after the read above
+                try:
+                    roster = json.loads(await c.get(f"{base}/closed", wait=False))
+                    break
+                except KeyError:
+                    return None          # moved on before this one closed
             n = int(await c.get(f"{base}/joined", wait=False))
             now = time.monotonic()
             if n != last_n:
@@ -246,6 +259,10 @@ class ElasticGroup:
                     timeout=self.timeout, token=self.token, job=f"{self.job}/{g}",
                     tuning=self.tuning)
             except Exception as exc:  # a member vanished while forming: try the next one
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"no elastic generation formed within "
+                                          f"{self.timeout:g} s: generation {g} failed to "
+                                          f"form ({exc})") from exc
                 log.warning("elastic: generation %d failed to form (%s); trying the next", g,
                             exc)
                 self.generation = gen

@@ -4,6 +4,7 @@ TCP worlds and a real rendezvous server; one crashes, one joins later."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ from test_peer_loss import crash
 
 from asynccoll import Communicator
 from asynccoll.elastic import ElasticGroup
+from asynccoll.errors import RendezvousError
 from asynccoll.parallel import (
     MLP,
     Adam,
@@ -113,3 +115,154 @@ async def test_bad_sizes() -> None:
         await server.close()
     with pytest.raises(ValueError, match="rendezvous"):
         await ElasticGroup.connect(rendezvous="nohost")
+
+
+async def test_trainer_gives_up_after_one_timeout_when_too_few_join() -> None:
+    """Fewer than min_nodes: forming waits up to ``timeout``, then raises RendezvousError (as
+    the docs promise); the trainer does not retry it ``max_reforms`` times over."""
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        group = await ElasticGroup.connect(min_nodes=2, max_nodes=2, settle=0.05, timeout=1.0,
+                                           rendezvous=f"127.0.0.1:{server.port}")
+        try:
+            trainer = ElasticTrainer(group, lambda comm: as_distributed(
+                MLP(SIZES, seed=0), comm, Adam(lr=0.01)))
+            began = time.monotonic()
+            with pytest.raises(RendezvousError, match="1 of at least 2"):
+                await trainer.start()
+            assert time.monotonic() - began < 2.5
+        finally:
+            await group.close()
+    finally:
+        await server.close()
+
+
+async def test_joining_again_after_a_timeout_counts_once() -> None:
+    """A process whose ``form`` timed out and that tries again is one member, not two: the
+    generation forms with the process that comes later, not with a phantom of itself."""
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    rdv = f"127.0.0.1:{server.port}"
+    try:
+        a = await ElasticGroup.connect(min_nodes=2, max_nodes=2, settle=0.05, timeout=1.0,
+                                       rendezvous=rdv)
+        b = await ElasticGroup.connect(min_nodes=2, max_nodes=2, settle=0.05, timeout=5.0,
+                                       rendezvous=rdv)
+        try:
+            with pytest.raises(RendezvousError):
+                await a.form()                  # alone: times out
+
+            async def later() -> Communicator:
+                await asyncio.sleep(0.3)        # `a` is waiting again by now
+                return await b.form()
+
+            ca, cb = await asyncio.gather(a.form(), later())
+            assert a.generation is not None and b.generation is not None
+            assert sorted(a.generation.roster) == sorted([a.id, b.id])
+            assert (ca.world_size, cb.world_size) == (2, 2)
+            assert {ca.rank, cb.rank} == {0, 1}
+        finally:
+            await asyncio.gather(a.close(), b.close())
+    finally:
+        await server.close()
+
+
+async def test_form_gives_up_when_worlds_keep_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world that fails to form every time (here: the address cannot be bound) ends in
+    RendezvousError within about ``timeout``, instead of opening generations forever."""
+    import asynccoll.transport.tcp as tcp
+
+    async def unbindable(*args: Any, **kw: Any) -> Communicator:
+        raise OSError(99, "Cannot assign requested address")
+
+    monkeypatch.setattr(tcp, "tcp_store_world", unbindable)
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        group = await ElasticGroup.connect(min_nodes=1, max_nodes=1, settle=0.0, timeout=0.5,
+                                           rendezvous=f"127.0.0.1:{server.port}")
+        try:
+            with pytest.raises(RendezvousError, match=r"within 0\.5 s") as info:
+                await asyncio.wait_for(group.form(), 10)
+            assert isinstance(info.value.__cause__, OSError)
+        finally:
+            await group.close()
+    finally:
+        await server.close()
+
+
+async def test_bad_settle_is_refused_before_connecting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad argument raises ValueError without leaving a rendezvous connection open."""
+    from asynccoll.rendezvous import RendezvousClient
+
+    opened: list[Any] = []
+    connect = RendezvousClient.connect
+
+    async def tracked(*args: Any, **kw: Any) -> Any:
+        opened.append(await connect(*args, **kw))
+        return opened[-1]
+
+    monkeypatch.setattr(RendezvousClient, "connect", tracked)
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        with pytest.raises(ValueError, match="settle"):
+            await ElasticGroup.connect(settle=-1.0, rendezvous=f"127.0.0.1:{server.port}")
+    finally:
+        for client in opened:
+            await client.close()
+        await server.close()
+    assert opened == []
+
+
+class ClosedJustAfter:
+    """A rendezvous client that answers the first read of a generation's roster as if it
+    were written a moment later (just after this process looked)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.hidden = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def get(self, key: str, **kw: Any) -> bytes:
+        if self.hidden and key.endswith("/closed"):
+            self.hidden = False
+            raise KeyError(key)
+        return bytes(await self.client.get(key, **kw))
+
+
+async def test_member_of_a_roster_closed_while_it_looked_stays_in_it() -> None:
+    """Generation 0 closes with this process in its roster and generation 1 opens between
+    the process's two reads (roster, then round): it is still a member of generation 0
+    (the others wait for it there), not a process that came too late."""
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        group = await ElasticGroup.connect(min_nodes=2, max_nodes=4, settle=0.05, timeout=2.0,
+                                           rendezvous=f"127.0.0.1:{server.port}")
+        try:
+            await group.client.set("elastic/0/closed", f'["{group.id}", "other"]')
+            await group.client.set("elastic/round", "1")
+            group.client = ClosedJustAfter(group.client)
+            gen = await group._join(0, time.monotonic() + 2.0)
+            assert gen is not None and (gen.number, gen.rank, gen.world_size) == (0, 0, 2)
+        finally:
+            await group.close()
+    finally:
+        await server.close()
+
+
+async def test_commit_before_start_is_a_clear_error() -> None:
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        async with await ElasticGroup.connect(rendezvous=f"127.0.0.1:{server.port}") as group:
+            trainer = ElasticTrainer(group, lambda comm: as_distributed(
+                MLP(SIZES, seed=0), comm, Adam(lr=0.01)))
+            with pytest.raises(RuntimeError, match="start"):
+                await trainer.commit()
+    finally:
+        await server.close()

@@ -369,6 +369,34 @@ async def test_worker_with_another_model_is_refused() -> None:
     assert stats.done == (1,) and stats.lost == (2,) and stats.workers[2].state == "failed"
 
 
+async def test_refused_worker_finishes_at_once_and_the_others_go_on() -> None:
+    """A refused worker that goes on to call ``finish`` (in a ``finally``, say) or to pull
+    again must not wait for a reply the server will never send: that wait times out and, on
+    the memory backend, the timeout breaks the world for the server and the other worker."""
+    async def rank(comm: Communicator) -> Any:
+        model = MLP([4, 8, 1] if comm.rank == 2 else SIZES, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1))
+        if opt.is_server:
+            return await opt.serve()
+        if comm.rank == 2:
+            with pytest.raises(CollectiveError, match="refused rank 2"):
+                await opt.pull()
+            with pytest.raises(CollectiveError, match="refused rank 2"):
+                await opt.pull()                # at once, nothing sent
+            await opt.finish()                  # at once: the server no longer serves it
+            return "refused"
+        for s in range(5):
+            await opt.step(regression(s))
+            await asyncio.sleep(0.3)            # still training when rank 2 would time out
+        await opt.finish()
+        return "done"
+
+    stats, *results = await run_world(rank, 3, "memory", timeout=1.0)
+    assert results == ["done", "refused"]
+    assert stats.done == (1,) and stats.workers[2].state == "failed"
+    assert stats.workers[1].pushes == 5
+
+
 # ------------------------------------------------------------------------------ API
 
 async def test_arguments_and_roles() -> None:
@@ -429,3 +457,20 @@ def test_example_runs_under_the_launcher() -> None:
     assert match, out
     version, accepted, scaled, rejected = map(int, match.groups())
     assert accepted + scaled + rejected == 160 and version == accepted + scaled, out
+
+
+async def test_rank_that_is_neither_gets_a_clear_error() -> None:
+    async def rank(comm: Communicator) -> str:
+        opt = AsyncSGD(MLP(SIZES), comm, optimizer=SGD(lr=0.1), workers=(1,))
+        if opt.is_server:
+            await opt.serve()
+            return "server"
+        if opt.is_worker:
+            await opt.pull()
+            await opt.finish()
+            return "worker"
+        with pytest.raises(RuntimeError, match="neither"):
+            opt.local_parameters()
+        return "neither"
+
+    assert await run_world(rank, 3, "memory") == ["server", "worker", "neither"]

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..collectives import Communicator
 from ..elastic import ElasticGroup
-from ..errors import CollectiveError
+from ..errors import CollectiveError, RendezvousError
 from .data_parallel import DistributedModel
 
 log = logging.getLogger("asynccoll.parallel.elastic")
@@ -88,11 +88,17 @@ class ElasticTrainer:
         return self.group.comm
 
     async def start(self) -> None:
-        """Join the first generation (or the running job) and get the current state."""
+        """Join the first generation (or the running job) and get the current state.
+
+        Raises:
+            RendezvousError: no generation formed within the group's ``timeout``.
+        """
         for attempt in range(self.max_reforms + 1):
             try:
                 await self._reform()
                 return
+            except RendezvousError:
+                raise                       # no generation formed within the timeout
             except CollectiveError as exc:
                 if attempt == self.max_reforms:
                     raise
@@ -101,7 +107,13 @@ class ElasticTrainer:
     async def run_step(self, fn: Callable[[DistributedModel, int], Awaitable[T]]) -> T:
         """Run ``await fn(dist, step)`` (one training step), re-forming the world first if a
         process is waiting to join, and retrying from the last commit in a new world if a
-        member fails. Returns what ``fn`` returned."""
+        member fails. Returns what ``fn`` returned.
+
+        Raises:
+            RendezvousError: no new world formed within the group's ``timeout`` (fewer than
+                ``min_nodes`` processes left); not retried.
+            CollectiveError: more than ``max_reforms`` failures in a row.
+        """
         while True:
             try:
                 if self.dist is None:
@@ -124,6 +136,8 @@ class ElasticTrainer:
                     await self.commit()
                 self._failed_in_a_row = 0
                 return out
+            except RendezvousError:
+                raise                       # no generation formed within the timeout
             except CollectiveError as exc:
                 self._failed_in_a_row += 1
                 if self._failed_in_a_row > self.max_reforms:
@@ -133,8 +147,14 @@ class ElasticTrainer:
                 self.dist = None
 
     async def commit(self) -> None:
-        """Keep a copy of the whole training state on every rank (a collective)."""
-        assert self.dist is not None
+        """Keep a copy of the whole training state on every rank (a collective).
+
+        Raises:
+            RuntimeError: no model yet (before ``start``, or between a failure and the
+                re-formation).
+        """
+        if self.dist is None:
+            raise RuntimeError("no model to commit: await trainer.start() first")
         params, buffers, opt_step = await self.dist.full_state()
         self._commit = (self.step, params, buffers, opt_step)
 

@@ -36,7 +36,9 @@ A worker holds one lock per server, so one exchange at a time runs on each chann
 
 A request the server cannot use (bad header, a shard size that does not match, a message
 after ``DONE``) gets ``REPLY [REFUSED, version, reason, MAGIC]``; the worker raises
-``CollectiveError`` and the server stops serving it (state ``"failed"``).
+``CollectiveError`` and the server stops serving it (state ``"failed"``). The worker's later
+pulls and pushes to that server raise ``CollectiveError`` at once, and its ``finish`` skips
+that server: nothing waits for a reply that will not come.
 
 Staleness
 ---------
@@ -386,6 +388,8 @@ class AsyncSGD:
         self._grads: np.ndarray | None = None
         self._versions = [-1] * len(self.servers)
         self._locks: list[asyncio.Lock] = []
+        #: servers that refused this worker (rank -> why): they no longer read its requests
+        self._refused: dict[int, str] = {}
         if self.is_worker:
             self._params = self._flatten(model)
             self._grads = np.zeros(lay.size, lay.dtype)
@@ -467,7 +471,8 @@ class AsyncSGD:
 
         Raises:
             CollectiveError: a server was lost, timed out or refused the request (the
-                parameters of that server's range then hold undefined values).
+                parameters of that server's range then hold undefined values), or it
+                refused this worker before (raised at once).
         """
         self._check_worker("pull()")
         got = await _all([self._pull_one(i) for i in range(len(self.servers))])
@@ -477,6 +482,7 @@ class AsyncSGD:
         server, (a, b) = self.servers[i], self.shards[i]
         assert self._params is not None
         async with self._locks[i]:
+            self._check_refused(server)
             await self.comm.send(_header(PULL, 0, b - a), server, TAG_REQUEST)
             status, version, n = self._reply(await self.comm.recv(server, TAG_REPLY), server)
             if status != OK or n != b - a:
@@ -506,7 +512,8 @@ class AsyncSGD:
         Raises:
             RuntimeError: no ``pull`` yet, called on a server, or after ``finish``.
             ValueError: ``grads`` of the wrong size or with unknown names.
-            CollectiveError: a server was lost, timed out or refused the push.
+            CollectiveError: a server was lost, timed out or refused the push, or it
+                refused this worker before (raised at once).
         """
         self._check_worker("push()")
         if min(self._versions) < 0:
@@ -544,6 +551,7 @@ class AsyncSGD:
     async def _push_one(self, i: int, flat: np.ndarray) -> PushResult:
         server, (a, b) = self.servers[i], self.shards[i]
         async with self._locks[i]:
+            self._check_refused(server)
             await self.comm.send(_header(PUSH, self._versions[i], b - a), server, TAG_REQUEST)
             await self.comm.send(flat[a:b], server, TAG_REQUEST)
             status, version, staleness = self._reply(
@@ -562,14 +570,22 @@ class AsyncSGD:
                                   f"with the same servers?")
         status, version, extra = parsed
         if status == REFUSED:
-            why = REFUSAL_REASONS.get(extra, f"reason {extra}")
+            self._refused[server] = REFUSAL_REASONS.get(extra, f"reason {extra}")
+            self._check_refused(server)
+        return status, version, extra
+
+    def _check_refused(self, server: int) -> None:
+        """Raise ``CollectiveError`` if ``server`` refused this worker: it no longer reads
+        this worker's requests, so a new one would only wait for the timeout."""
+        why = self._refused.get(server)
+        if why is not None:
             raise CollectiveError(f"parameter server {server} refused rank {self.rank}: "
                                   f"it sent {why}")
-        return status, version, extra
 
     async def finish(self) -> None:
         """Tell every server this worker is done (idempotent); a server's ``serve``
-        returns once every worker did (or was lost).
+        returns once every worker did (or was lost). Servers that refused this worker are
+        skipped: they stopped serving it already.
 
         Raises:
             CollectiveError: a server was lost or timed out.
@@ -585,6 +601,8 @@ class AsyncSGD:
     async def _finish_one(self, i: int) -> None:
         server = self.servers[i]
         async with self._locks[i]:
+            if server in self._refused:
+                return                  # it stopped serving this worker already
             await self.comm.send(_header(DONE), server, TAG_REQUEST)
             self._reply(await self.comm.recv(server, TAG_REPLY), server)
 
@@ -616,13 +634,18 @@ class AsyncSGD:
     def local_parameters(self) -> np.ndarray:
         """On a server, its shard of the flat parameters (the live array, which pushes
         update; on servers other than 0 it is filled at the start of ``serve``); on a
-        worker, its flat copy of every parameter as of its last ``pull``."""
+        worker, its flat copy of every parameter as of its last ``pull``.
+
+        Raises:
+            RuntimeError: on a rank that is neither a server nor a worker.
+        """
         if self.is_server:
             if self._shard is None:
                 a, b = self.shard
                 return np.full(b - a, np.nan, self.layout.dtype)
             return self._shard
-        assert self._params is not None
+        if self._params is None:
+            raise RuntimeError(f"rank {self.rank} is neither a server nor a worker")
         return self._params
 
     def stats(self) -> ServerStats:
