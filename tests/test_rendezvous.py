@@ -692,6 +692,46 @@ async def test_bad_job_refused_at_construction() -> None:
         RendezvousServer(token=TOKEN, job=None)  # type: ignore[arg-type]
 
 
+async def test_bad_client_max_value_bytes_refused_before_connecting() -> None:
+    # checked before any connection is tried (port 9 on loopback: nothing is dialled)
+    with pytest.raises(TypeError, match="max_value_bytes"):
+        await RendezvousClient.connect("127.0.0.1", 9, token=TOKEN,
+                                       max_value_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_value_bytes"):
+        await RendezvousClient.connect("127.0.0.1", 9, token=TOKEN, max_value_bytes=-1)
+
+
+async def test_close_writer_cancelled_aborts_the_connection() -> None:
+    # a graceful close waiting on a peer that does not read, cancelled: the socket is
+    # aborted, not left half closed
+    from asynccoll.rendezvous._common import _close_writer
+
+    accepted: asyncio.Queue[asyncio.StreamWriter] = asyncio.Queue()
+
+    async def on_client(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await accepted.put(writer)
+
+    srv = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    try:
+        port = srv.sockets[0].getsockname()[1]
+        _, peer = await asyncio.open_connection("127.0.0.1", port)
+        writer = await asyncio.wait_for(accepted.get(), 5)
+        writer.transport.set_write_buffer_limits(high=1 << 30)
+        writer.write(b"x" * (32 << 20))  # the peer reads none of it: the close must wait
+        task = asyncio.create_task(_close_writer(writer))
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert writer.transport.is_closing()
+        assert writer.transport.get_write_buffer_size() == 0  # aborted: the data dropped
+        peer.close()
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
 async def test_serve_logs_address_and_runs_until_cancelled(logs: LogWatch) -> None:
     task = asyncio.create_task(serve("127.0.0.1", 0, TOKEN))
     try:

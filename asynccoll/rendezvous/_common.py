@@ -67,3 +67,6 @@ async def _close_writer(writer: asyncio.StreamWriter, *, abort: bool = False) ->
         writer.transport.abort()
     except (ConnectionError, OSError):
         pass
+    except BaseException:  # cancelled while it waited: do not leave the socket half closed
+        writer.transport.abort()
+        raise

@@ -107,10 +107,12 @@ class RendezvousClient:
             AuthenticationError: the token (or job id) does not match the server's.
             RendezvousError: the server could not be reached, or the handshake failed, within
                 ``timeout``.
+            TypeError, ValueError: ``rank`` or ``max_value_bytes`` is not a non-negative int.
         """
         timeout = _check_timeout(timeout, 30.0)
         if rank is not None:
             _check_int(rank, "rank", 0, _U32)
+        _check_int(max_value_bytes, "max_value_bytes", 0, 1 << 62)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         address = f"{host}:{port}"
