@@ -34,11 +34,13 @@ A worker holds one lock per server, so one exchange at a time runs on each chann
     server 0                                         server k > 0 (at the start of serve)
     INIT [INIT, 0, n, MAGIC] + shard     ------->    the initial values of k's range
 
-A request the server cannot use (bad header, a shard size that does not match, a message
-after ``DONE``) gets ``REPLY [REFUSED, version, reason, MAGIC]``; the worker raises
+A request the server cannot use (bad header, unknown kind, a shard size that does not
+match) gets ``REPLY [REFUSED, version, reason, MAGIC]``; the worker raises
 ``CollectiveError`` and the server stops serving it (state ``"failed"``). The worker's later
 pulls and pushes to that server raise ``CollectiveError`` at once, and its ``finish`` skips
-that server: nothing waits for a reply that will not come.
+that server: nothing waits for a reply that will not come. After ``DONE`` the server reads
+nothing more from that worker (``finish`` is idempotent, and a finished worker's ``pull`` and
+``push`` raise ``RuntimeError`` without sending).
 
 Staleness
 ---------
