@@ -30,6 +30,7 @@ from asynccoll.parallel import (
     split_batch,
     train_locally,
 )
+from asynccoll.parallel.checkpoint import read_meta
 from asynccoll.parallel.compression import NoCompression
 from asynccoll.parallel.model import Model
 
@@ -415,3 +416,109 @@ async def test_ddp_buckets_travel_while_backward_goes_on(backend: str) -> None:
         assert log.index("exchange 3") < log.index("backward 2") < log.index("backward 0"), log
         if backend == "memory":     # over TCP, arriving takes more loop turns than are left
             assert log.index("exchanged 3") < log.index("backward 0"), log
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+async def test_frozen_torch_parameters_are_not_updated(strategy: str, opt: str) -> None:
+    """Parameters with requires_grad=False stay as they are, as torch.optim leaves them, even
+    under a weight decay that would shrink them (AdamW's default), and their optimizer state
+    too: unfrozen halfway (SGD, whose state has no step count), they train as in torch."""
+    torch = pytest.importorskip("torch")
+    from asynccoll.parallel import AdamW, TorchModel
+
+    hyper = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01} if opt == "sgd" else {}
+    ours = {"adamw": lambda: AdamW(lr=0.01), "sgd": lambda: SGD(**hyper)}[opt]
+    unfreeze_at = 3 if opt == "sgd" else -1
+
+    def frozen_net(seed: int) -> Any:
+        net = torch_net(seed)
+        net[0].requires_grad_(False)
+        return net
+
+    net = frozen_net(0)
+    ref_opt = (torch.optim.SGD(net.parameters(), **hyper) if opt == "sgd"
+               else torch.optim.AdamW(net.parameters(), lr=0.01))
+    data = batches(6)
+    for i, (x, y) in enumerate(data):
+        if i == unfreeze_at:
+            net[0].requires_grad_(True)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        ref_opt.step()
+    want = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy()
+
+    async def rank(comm: Communicator) -> np.ndarray:
+        with TorchModel(frozen_net(0 if comm.rank == 0 else 7),
+                        torch.nn.functional.mse_loss) as model:
+            dist = as_distributed(model, comm, ours(), strategy=strategy,
+                                  bucket_bytes=1 if strategy != "zero3" else None)
+            for i, batch in enumerate(data):
+                if i == unfreeze_at:
+                    model.module[0].requires_grad_(True)
+                await dist.step(split_batch(batch, comm.rank, comm.world_size))
+            full = await dist.full_parameters()
+            return np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
+
+    for got in await run_world(rank, 3, "memory"):
+        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+async def test_loaded_hyperparameters_are_the_wrappers(strategy: str, tmp_path: Path) -> None:
+    """After load_checkpoint, dist.lr and a checkpoint saved again carry the loaded
+    hyperparameters under ZeRO too (not the ones of the optimizer the wrapper was built with)."""
+    first, again = tmp_path / "first", tmp_path / "again"
+
+    async def save(comm: Communicator) -> None:
+        dist = as_distributed(MLP(SIZES, seed=3), comm, Adam(lr=0.05), strategy=strategy)
+        await dist.step(split_batch(batches(1)[0], comm.rank, comm.world_size))
+        await save_checkpoint(dist, first)
+
+    await run_world(save, 2, "memory")
+
+    async def load(comm: Communicator) -> tuple[float, float]:
+        dist = as_distributed(MLP(SIZES, seed=3), comm, Adam(lr=0.5), strategy=strategy)
+        await load_checkpoint(dist, first)
+        await save_checkpoint(dist, again)
+        return dist.lr, (dist.optimizer.lr if dist.optimizer is not None else -1.0)
+
+    assert await run_world(load, 2, "memory") == [(0.05, 0.05)] * 2
+    assert read_meta(again)["optimizer"]["hyper"]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_checkpoint_before_the_first_pass_holds_rank_0s_parameters(
+        strategy: str, tmp_path: Path) -> None:
+    """Rank 0's initial parameters win, also in a checkpoint saved before any pass (not each
+    rank's shard of its own initialisation)."""
+
+    async def rank(comm: Communicator) -> None:
+        model = MLP(SIZES, seed=3 if comm.rank == 0 else 50 + comm.rank)
+        await save_checkpoint(as_distributed(model, comm, Adam(lr=0.01), strategy=strategy),
+                              tmp_path)
+
+    await run_world(rank, 3, "memory")
+    saved = load_parameters(tmp_path)
+    for name, value in MLP(SIZES, seed=3).parameters().items():
+        np.testing.assert_array_equal(saved[name], value)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_float16_models_train_under_every_strategy(strategy: str) -> None:
+    """A float16 model trains under DDP and ZeRO-1 as under ZeRO-2/3: the uncompressed
+    exchange averages any float dtype (only compression methods need float32/float64)."""
+    data = [(x.astype(np.float16), y.astype(np.float16)) for x, y in batches(3)]
+    _, want = await train_locally(MLP(SIZES, seed=3, dtype=np.float16), SGD(lr=0.05), data)
+
+    async def rank(comm: Communicator) -> np.ndarray:
+        model = MLP(SIZES, seed=3, dtype=np.float16)
+        dist = as_distributed(model, comm, SGD(lr=0.05), strategy=strategy)
+        for batch in data:
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+        full = await dist.full_parameters()
+        return np.concatenate([full[s.name].reshape(-1) for s in model.param_specs()])
+
+    for got in await run_world(rank, 2, "memory"):
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-3)

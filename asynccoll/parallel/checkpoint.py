@@ -52,6 +52,7 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     metadata are on disk.
     """
     root = Path(path)
+    await dist.start()                  # before the first pass, rank 0's parameters win
     params, buffers, step = dist.shard_state()
     arrays = {"params": params, **{f"opt.{k}": v for k, v in buffers.items()}}
     meta = None

@@ -142,6 +142,8 @@ class Compression(abc.ABC):
     """
 
     name: str = "abstract"
+    #: the gradient dtypes the method takes
+    dtypes: tuple[np.dtype[Any], ...] = _FLOAT_DTYPES
 
     def __init__(self, *, error_feedback: bool = False) -> None:
         self.error_feedback = _check_bool(error_feedback, "error_feedback")
@@ -161,12 +163,14 @@ class Compression(abc.ABC):
         ends with bit-identical values.
 
         Args:
-            grad: 1-D, C-contiguous, writable float32 or float64 array.
+            grad: 1-D, C-contiguous, writable float32 or float64 array (``NoCompression``
+                also takes float16).
             key: names the bucket: error-feedback state is kept per key, and a key must
                 always come with the same size and dtype.
 
         Raises:
-            TypeError: ``grad`` is not a 1-D contiguous writable float32/float64 array.
+            TypeError: ``grad`` is not a 1-D contiguous writable array of a dtype in
+                ``dtypes``.
             ValueError: ``key`` was used before with another size or dtype.
             CollectiveError: ranks passed buckets of different sizes; a peer was lost or no
                 progress was made. ``grad`` then holds undefined values, and this bucket's
@@ -174,8 +178,9 @@ class Compression(abc.ABC):
         """
         if not isinstance(grad, np.ndarray):
             raise TypeError(f"grad must be a numpy array, got {type(grad).__name__}")
-        if grad.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"grad must be float32 or float64, got {grad.dtype}")
+        if grad.dtype not in self.dtypes:
+            raise TypeError(f"{self.name} compression needs a "
+                            f"{' or '.join(str(d) for d in self.dtypes)} grad, got {grad.dtype}")
         if grad.ndim != 1 or not grad.flags.c_contiguous or not grad.flags.writeable:
             raise TypeError(f"grad must be a 1-D, C-contiguous, writable array, got shape "
                             f"{grad.shape} (contiguous={grad.flags.c_contiguous}, "
@@ -248,6 +253,7 @@ class NoCompression(Compression):
     """The plain exchange: ``comm.all_reduce(grad, op=ReduceOp.AVG)`` in grad's dtype."""
 
     name = "none"
+    dtypes = (np.dtype(np.float16), *_FLOAT_DTYPES)
 
     def __init__(self) -> None:
         super().__init__(error_feedback=False)

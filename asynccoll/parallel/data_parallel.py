@@ -140,6 +140,9 @@ class DistributedModel:
         self._optimizer: Optimizer | None = None
         self._opts: list[Optimizer] = []
         self._steps = 0
+        #: flat ranges of frozen parameters (``ParamSpec.trainable`` False), merged; read from
+        #: the model at every optimizer step, as a torch parameter may be (un)frozen anytime
+        self._frozen: list[tuple[int, int]] = []
 
         initial = np.empty(lay.size, lay.dtype)
         current = model.parameters()
@@ -270,15 +273,23 @@ class DistributedModel:
             raise RuntimeError("no optimizer: pass one to the wrapper or call set_optimizer()")
         await self.start()
         lay, r = self.layout, self.rank
+        self._frozen = []
+        for spec in self.model.param_specs():
+            if not spec.trainable:
+                first, stop = lay.offsets[spec.name]
+                if self._frozen and self._frozen[-1][1] == first:
+                    first = self._frozen.pop()[0]
+                self._frozen.append((first, stop))
         if self.strategy == "ddp":
             assert self._params is not None and self._grads is not None
-            self._opts[0].step(self._params, self._grads)
+            self._opt_step(self._opts[0], self._params, self._grads, 0)
             self._grads.fill(0)
         elif self.strategy == "zero3":
             assert self._shard_params is not None and self._shard_grads is not None
             for b, opt in zip(lay.buckets, self._opts, strict=True):
-                opt.step(lay.shard_block(self._shard_params, r, b),
-                         lay.shard_block(self._shard_grads, r, b))
+                self._opt_step(opt, lay.shard_block(self._shard_params, r, b),
+                               lay.shard_block(self._shard_grads, r, b),
+                               b.start + b.blocks[r][0])
             self._shard_grads.fill(0)
         else:
             params = self._params
@@ -291,7 +302,7 @@ class DistributedModel:
                 else:
                     assert self._grads is not None
                     grads = self._grads[b.start + lo:b.start + hi]
-                opt.step(mine, grads)
+                self._opt_step(opt, mine, grads, b.start + lo)
             tasks = [asyncio.ensure_future(self.comm.all_gather(
                 params[b.start + b.blocks[r][0]:b.start + b.blocks[r][1]].copy(),
                 out=params[b.start:b.stop])) for b in lay.buckets]
@@ -302,6 +313,25 @@ class DistributedModel:
                 assert self._grads is not None
                 self._grads.fill(0)
         self._steps += 1
+
+    def _opt_step(self, opt: Optimizer, params: np.ndarray, grads: np.ndarray,
+                  start: int) -> None:
+        """``opt.step(params, grads)`` on the flat range ``[start, start + params.size)``,
+        leaving the frozen parameters in it, and their optimizer state, as they were (as
+        torch.optim skips them)."""
+        stop = start + params.size
+        keep = [(max(a, start) - start, min(b, stop) - start)
+                for a, b in self._frozen if a < stop and b > start]
+        if not keep:
+            opt.step(params, grads)
+            return
+        saved = [(params[a:b].copy(), {k: v[a:b].copy() for k, v in opt._buffers.items()})
+                 for a, b in keep]
+        opt.step(params, grads)
+        for (a, b), (value, buffers) in zip(keep, saved, strict=True):
+            params[a:b] = value
+            for name, buf in opt._buffers.items():     # state made by this step starts at 0
+                buf[a:b] = buffers[name] if name in buffers else 0
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradients (``optimizer_step`` does this itself)."""
@@ -430,6 +460,10 @@ class DistributedModel:
                 state["hyper"] = dict(hyper)
             state["buffers"] = {k: v[a:b].copy() for k, v in buffers.items()}
             opt.load_state_dict(state)
+        if hyper and self._optimizer is not None and self.strategy != "ddp":
+            # ZeRO steps clones: the template (``lr``, what a checkpoint records) follows them
+            self._optimizer.load_state_dict({"step": self._optimizer.steps,
+                                             "hyper": dict(hyper)})
         self._steps = step
 
     # ----------------------------------------------------------------------- hooks

@@ -22,12 +22,17 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParamSpec:
-    """One parameter array: its name, shape, dtype and the unit it belongs to."""
+    """One parameter array: its name, shape, dtype and the unit it belongs to.
+
+    ``trainable=False`` marks a frozen parameter (torch's ``requires_grad=False``): it gets no
+    gradient, and the training wrappers' optimizers leave it as it is (no weight decay).
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
     unit: int
+    trainable: bool = True
 
     @property
     def size(self) -> int:
@@ -72,8 +77,9 @@ class Model(abc.ABC):
 
     Contract:
 
-    * ``param_specs`` is fixed for the model's life; names are unique; units are numbered
-      ``0..num_units-1`` in forward order and every unit has at least one parameter.
+    * ``param_specs`` is fixed for the model's life (but for ``trainable``, which may follow
+      the model's own freezing, as torch's ``requires_grad``); names are unique; units are
+      numbered ``0..num_units-1`` in forward order and every unit has at least one parameter.
     * ``bind`` replaces the arrays the model uses, without copying: after
       ``bind(params={"w": view})`` the model reads ``w`` from ``view`` (and sees later in-place
       changes to it). Partial mappings rebind only the names given. A wrapper may bind a

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 import weakref
@@ -309,7 +310,7 @@ class TorchModel(_BoundArrays, Model):
                 raise TypeError(f"parameter {name!r} has dtype {p.dtype}, which NumPy does "
                                 f"not have") from None
             specs.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=dtype,
-                                   unit=owner[id(p)]))
+                                   unit=owner[id(p)], trainable=bool(p.requires_grad)))
         specs.sort(key=lambda s: s.unit)                # stable: module order within a unit
         self._tparams: dict[str, Any] = {s.name: named[s.name] for s in specs}
         self._own(specs, {s.name: named[s.name].detach().numpy() for s in specs})
@@ -339,6 +340,12 @@ class TorchModel(_BoundArrays, Model):
     @property
     def num_units(self) -> int:
         return len(self.units)
+
+    def param_specs(self) -> list[ParamSpec]:
+        """The parameters; ``trainable`` is each one's ``requires_grad`` now."""
+        return [s if s.trainable == self._tparams[s.name].requires_grad
+                else dataclasses.replace(s, trainable=bool(self._tparams[s.name].requires_grad))
+                for s in self._specs]
 
     def bind(self, params: Mapping[str, np.ndarray] | None = None,
              grads: Mapping[str, np.ndarray] | None = None) -> None:
