@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from conftest import run_world
@@ -105,3 +107,89 @@ def test_hybrid_example_with_8_processes() -> None:
     assert len(re.findall(r"rank \d: data \d pipe \d tensor \d", out)) == 8, out
     err = re.search(r"largest relative difference to one process ([0-9.e+-]+)", out)
     assert err and float(err.group(1)) < 1e-6, out
+
+
+@pytest.mark.parametrize(("data", "pipe", "tensor", "strategy"), [(2, 1, 1, "ddp"),
+                                                                   (3, 2, 1, "zero2"),
+                                                                   (2, 1, 2, "zero3")])
+async def test_batches_that_do_not_divide_over_the_replicas(data: int, pipe: int, tensor: int,
+                                                           strategy: str) -> None:
+    """11 samples over 2 or 3 replicas (shares 6/5, 4/4/3): the update is that of the whole
+    batch, weighted by sample, not the plain mean of the replicas' mean gradients."""
+    rng = np.random.default_rng(8)
+    data_batches = [(rng.standard_normal((11, SIZES[0])), rng.standard_normal((11, SIZES[-1])))
+                    for _ in range(STEPS)]
+    want_losses, want = await train_locally(MLP(SIZES, seed=2), make_opt("sgd"), data_batches)
+
+    async def rank(comm: Communicator) -> tuple[list[float], float, np.ndarray]:
+        hybrid = await Hybrid.create(comm, MLP(SIZES, seed=2), data=data, pipe=pipe,
+                                     tensor=tensor, optimizer=make_opt("sgd"),
+                                     strategy=strategy, micro_batches=2)
+        losses = [await hybrid.step(b) for b in data_batches]
+        evaluation = await hybrid.loss(data_batches[0])
+        full = await hybrid.full_parameters()
+        return losses, evaluation, np.concatenate([full[f"layers.{i}.{k}"].reshape(-1)
+                                                   for i in range(len(SIZES) - 1)
+                                                   for k in ("weight", "bias")])
+
+    final = MLP(SIZES, seed=2)
+    final.bind(params={s.name: want[a:a + s.size].reshape(s.shape) for s, a in zip(
+        final.param_specs(), np.cumsum([0] + [s.size for s in final.param_specs()]),
+        strict=False)})
+    want_eval = await final.loss(data_batches[0])
+    for losses, evaluation, params in await run_world(rank, data * pipe * tensor, "memory"):
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+        np.testing.assert_allclose(evaluation, want_eval, rtol=1e-6)
+        np.testing.assert_allclose(params, want, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize(("loss", "targets", "match"), [
+    ("mse", np.zeros((4, SIZES[-1])), "targets must have shape"),     # fewer rows than inputs
+    ("mse", np.zeros(8), "targets must have shape"),
+    ("cross_entropy", np.full(8, SIZES[-1]), "labels must lie in"),
+    ("cross_entropy", np.zeros(8), "labels must be integers"),
+])
+async def test_tensor_parallel_last_stage_checks_targets(loss: str, targets: np.ndarray,
+                                                         match: str) -> None:
+    """As MLPStage: a ValueError naming the problem, never a silently broadcast loss or an
+    IndexError."""
+    x = np.random.default_rng(0).standard_normal((8, SIZES[0]))
+
+    async def rank(comm: Communicator) -> None:
+        hybrid = await Hybrid.create(comm, MLP(SIZES, seed=2, loss=loss), tensor=2,
+                                     optimizer=make_opt("sgd"), micro_batches=4)
+        with pytest.raises(ValueError, match=match):
+            await hybrid.step((x, targets))
+
+    await run_world(rank, 2, "memory")
+
+
+@pytest.mark.parametrize(("data", "pipe", "tensor"), [(2, 1, 1), (2, 1, 2), (2, 2, 1)])
+async def test_a_failing_replica_fails_every_rank_at_once(data: int, pipe: int,
+                                                         tensor: int) -> None:
+    """3 samples over 2 replicas of 2 micro-batches: replica 1's share (1 sample) cannot be
+    split, and its ranks raise ValueError; the others raise CollectiveError at once, not
+    after the timeout, even with a pipeline of one stage (nothing to break in its group)."""
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((3, SIZES[0])), rng.standard_normal((3, SIZES[-1])))
+
+    async def rank(comm: Communicator) -> tuple[str, float]:
+        hybrid = await Hybrid.create(comm, MLP(SIZES, seed=2), data=data, pipe=pipe,
+                                     tensor=tensor, optimizer=make_opt("sgd"), micro_batches=2)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            await hybrid.step(batch)
+        except Exception as exc:
+            elapsed = loop.time() - start
+            await asyncio.sleep(0.5)                      # the failing ranks stay alive
+            return type(exc).__name__, elapsed
+        raise AssertionError("the step should have failed")
+
+    got = await run_world(rank, data * pipe * tensor, "memory", timeout=20)
+    for r, (name, elapsed) in enumerate(got):
+        replica = r // (pipe * tensor)
+        assert name in (("CollectiveError",) if replica == 0 else
+                        ("ValueError", "CollectiveError")), got
+        assert elapsed < 5, got
+    assert any(name == "ValueError" for name, _ in got), got

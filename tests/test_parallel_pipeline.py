@@ -256,6 +256,43 @@ async def test_a_failing_stage_fails_every_stage(backend: str) -> None:
         assert elapsed < 5, got
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_cancelled_stage_fails_every_stage(backend: str) -> None:
+    """A pass cancelled on one stage while it computes (no operation of its own pending)
+    breaks the pipe group too: the others raise at once, not after the timeout."""
+    class Slow(MLPStage):
+        slow = False
+
+        async def forward(self, mb: int, x: np.ndarray, *, grad: bool = True) -> np.ndarray:
+            if self.slow and mb == 1:
+                await asyncio.sleep(30)
+            return await super().forward(mb, x, grad=grad)
+
+    async def rank(comm: Communicator) -> tuple[str, float]:
+        mlp = MLP(SIZES, seed=3)
+        a, b = [(0, 2), (2, 3), (3, 5)][comm.rank]
+        stage = Slow(mlp, a, b)
+        pp = PipelineParallel(stage, comm, micro_batches=4)
+        await pp.step(batches(1)[0], SGD(lr=0.1))
+        stage.slow = comm.rank == 1
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            async with asyncio.timeout(0.3 if comm.rank == 1 else None):
+                await pp.step(batches(1)[0], SGD(lr=0.1))
+        except Exception as exc:
+            elapsed = loop.time() - start
+            await asyncio.sleep(0.5 if comm.rank == 1 else 0)      # stay alive a while
+            return type(exc).__name__, elapsed
+        raise AssertionError("the pass should have failed")
+
+    got = await run_world(rank, 3, backend, timeout=20)
+    assert got[1][0] == "TimeoutError", got
+    for name, elapsed in (got[0], got[2]):
+        assert name in ("CollectiveError", "PeerLostError"), got
+        assert elapsed < 5, got
+
+
 async def test_batches_and_stages_that_do_not_fit() -> None:
     async def rank(comm: Communicator) -> list[str]:
         stages = split_mlp(MLP(SIZES, seed=3), 3)

@@ -22,19 +22,28 @@ coordinate); the data group the strategy's gradient exchange, once per step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..collectives import Communicator
-from ._mlp_math import mean_loss
+from ._mlp_math import check_targets, mean_loss
 from .data_parallel import DistributedModel
 from .mesh import Mesh
 from .mlp import MLP
 from .model import ParamSpec, split_batch
 from .optim import Optimizer
-from .pipeline import MLPStage, PipelineParallel, Stage, _layer_range, _Saved, mlp_partition
+from .pipeline import (
+    MLPStage,
+    PipelineParallel,
+    Stage,
+    _break,
+    _layer_range,
+    _Saved,
+    mlp_partition,
+)
 from .tensor import TensorParallelMLP
 
 
@@ -120,11 +129,11 @@ class TensorParallelStage(Stage):
                         grad: bool = True) -> tuple[float, np.ndarray | None]:
         if not self._last:
             return await super().loss_grad(mb, y, target, weight, grad=grad)
-        loss, dy = mean_loss(self.loss_kind, np.array(y, dtype=self.inner.dtype),
-                             np.asarray(target), grad=grad)
-        if dy is not None:
-            dy *= weight
-        return loss * weight, dy
+        out = np.array(y, dtype=self.inner.dtype)   # a copy: the gradient is computed in it
+        n, k = out.shape
+        t = check_targets(self.loss_kind, target, n, k, self.inner.dtype)
+        # weight x the mean over the micro-batch, as MLPStage computes it
+        return mean_loss(self.loss_kind, out, t, grad=grad, weight=weight)
 
     async def full_parameters(self, params: Mapping[str, np.ndarray] | None = None
                               ) -> dict[str, np.ndarray]:
@@ -185,21 +194,55 @@ class Hybrid:
     async def step(self, batch: tuple[np.ndarray, np.ndarray]) -> float:
         """One training step on the global ``batch`` (the same on every rank): this data
         replica's share goes through the pipeline, gradients are exchanged over the data
-        group, the optimizer steps. Returns the mean loss over the whole batch."""
-        mine = split_batch(batch, self.mesh.coords.data, self.mesh.shape.data)
-        loss = await self.dist.step(mine)
-        return await self._global_loss(loss, len(batch[0]), len(mine[0]))
+        group, the optimizer steps. Returns the mean loss over the whole batch.
+
+        Raises:
+            ValueError: a malformed batch, or a replica's share too small for its
+                micro-batches (on that replica's ranks; the others raise CollectiveError).
+            CollectiveError: another rank failed. A failing (or cancelled) step breaks the
+                world communicator, so no rank waits for the timeout.
+        """
+        return await self._broken_on_failure(self._step(batch))
+
+    async def _step(self, batch: tuple[np.ndarray, np.ndarray]) -> float:
+        loss = await self.dist.step(self._share(batch))
+        return await self._global_loss(loss)
 
     async def loss(self, batch: tuple[np.ndarray, np.ndarray]) -> float:
-        """The mean loss over ``batch`` without training."""
-        mine = split_batch(batch, self.mesh.coords.data, self.mesh.shape.data)
-        loss = await self.dist.loss(mine)
-        return await self._global_loss(loss, len(batch[0]), len(mine[0]))
+        """The mean loss over ``batch`` without training (failures as for ``step``)."""
+        return await self._broken_on_failure(self._loss(batch))
 
-    async def _global_loss(self, loss: float, total: int, mine: int) -> float:
+    async def _loss(self, batch: tuple[np.ndarray, np.ndarray]) -> float:
+        loss = await self.dist.loss(self._share(batch))
+        return await self._global_loss(loss)
+
+    async def _broken_on_failure(self, work: Coroutine[Any, Any, float]) -> float:
+        """Await ``work``; if it fails, break the world before re-raising. A failing
+        pipeline breaks it already when it has several stages, but one of a single stage
+        has no peer to break its group with, and the other replicas would wait for this
+        one's gradients until the timeout."""
+        try:
+            return await work
+        except (Exception, asyncio.CancelledError):
+            await _break(self.mesh.world)
+            raise
+
+    def _share(self, batch: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+        """This replica's share of ``batch``, its loss weighted by its size: the data group
+        averages the gradients with equal weights, which is the whole batch's gradient
+        only when every replica's loss counts ``data * n / N`` times its mean over its
+        ``n`` of the ``N`` samples (1 when the batch splits evenly)."""
+        data = self.mesh.shape.data
+        mine = split_batch(batch, self.mesh.coords.data, data)
+        total, n = len(batch[0]), len(mine[0])
+        self.pipeline._loss_scale = data * n / total if total else 1.0
+        return mine
+
+    async def _global_loss(self, loss: float) -> float:
+        """The mean over the whole batch from the replicas' weighted losses."""
         if self.mesh.shape.data == 1:
             return loss
-        buf = np.array([loss * mine / total])
+        buf = np.array([loss / self.mesh.shape.data])
         await self.mesh.data.all_reduce(buf)
         return float(buf[0])
 

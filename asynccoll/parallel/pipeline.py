@@ -623,9 +623,10 @@ class PipelineParallel(Model):
     (broadcast from the last one).
 
     Sends run as background tasks, so a stage computes its next micro-batch while its
-    activations travel; every send is awaited before the pass returns. If a stage fails, the
-    pass breaks the pipe group: it cancels a receive, which by the Communicator's contract
-    makes the peers' pending and later operations raise ``CollectiveError``
+    activations travel; every send is awaited before the pass returns. If a stage fails (or
+    its pass is cancelled), the pass breaks the pipe group: it cancels a receive, which by
+    the Communicator's contract makes the peers' pending and later operations raise
+    ``CollectiveError``
     (on every group of the world, which share their connections), so no stage waits for a
     message that will not come. A failed or cancelled pass leaves the gradients partial and
     the communicators unusable: as with any failed collective, start over.
@@ -666,6 +667,10 @@ class PipelineParallel(Model):
         self._started = False
         self._busy = False
         self._local: tuple[np.ndarray, np.ndarray] | None = None
+        #: what the last stage multiplies the loss (and so every gradient) by: ``Hybrid``
+        #: sets it to ``data * n / N`` for a replica's share of ``n`` of ``N`` samples, so
+        #: that the plain mean of the replicas' gradients is that of the whole batch
+        self._loss_scale = 1.0
 
     def __repr__(self) -> str:
         return (f"<PipelineParallel stage {self.stage_index}/{self.num_stages} {self.schedule} "
@@ -783,7 +788,9 @@ class PipelineParallel(Model):
         except BaseException as exc:
             self.stage.clear()
             self._held = 0
-            if isinstance(exc, Exception):     # not a cancellation: that breaks it already
+            # a cancellation too: it breaks the group only if it hit one of this stage's
+            # operations, and may have come while the stage computed
+            if isinstance(exc, Exception | asyncio.CancelledError):
                 log.debug("pipeline stage %d failed: %r", self.stage_index, exc)
                 await _break(self.comm)
             raise
@@ -808,7 +815,7 @@ class PipelineParallel(Model):
                 out.extend(np.array_split(array, m))
         if self.is_last:
             n = sum(len(t) for t in targets)
-            weights = [len(t) / n for t in targets]
+            weights = [len(t) / n * self._loss_scale for t in targets]
         return inputs, targets, weights
 
     async def _run(self, inputs: list[Any], targets: list[Any], weights: list[float],
