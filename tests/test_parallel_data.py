@@ -305,6 +305,33 @@ async def test_a_failing_rank_fails_every_rank() -> None:
         await run_world(rank, 3, "tcp", timeout=5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_a_rank_whose_model_raises_fails_the_others_at_once(backend: str,
+                                                                   strategy: str) -> None:
+    """A rank that fails before any exchange of a step (here its batch has the wrong width)
+    breaks the communicator: the others raise CollectiveError at once instead of waiting in
+    the gradient exchange for the timeout."""
+    async def rank(comm: Communicator) -> tuple[str, float]:
+        dist = as_distributed(MLP(SIZES), comm, SGD(lr=0.1), strategy=strategy)
+        x, y = split_batch(batches(1)[0], comm.rank, comm.world_size)
+        if comm.rank == 1:
+            x = x[:, :-1]
+        await dist.start()
+        t0 = asyncio.get_running_loop().time()
+        try:
+            await dist.step((x, y))
+        except (ValueError, CollectiveError) as exc:
+            return type(exc).__name__, asyncio.get_running_loop().time() - t0
+        return "none", 0.0
+
+    got = await run_world(rank, 3, backend, timeout=20)
+    assert got[1][0] == "ValueError"
+    for r in (0, 2):
+        kind, seconds = got[r]
+        assert kind == "CollectiveError" and seconds < 5, (r, got)
+
+
 def torch_net(seed: int) -> Any:
     torch = pytest.importorskip("torch")
     torch.manual_seed(seed)

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..collectives import Communicator
 from ..ops import ReduceOp
+from ._failure import break_comm
 from .compression import Compression, make_compression
 from .layout import Bucket, FlatLayout
 from .model import Model
@@ -253,6 +254,12 @@ class DistributedModel:
             loss = await work
             for task in self._pending:
                 await task
+        except (Exception, asyncio.CancelledError):
+            # this rank failed, perhaps outside any exchange (its model raised, or the pass
+            # was cancelled while it computed): the other ranks would wait for its gradients
+            # until the timeout, so the communicator is broken for them to raise at once
+            await break_comm(self.comm)
+            raise
         finally:
             pending, self._pending = self._pending, []
             leftovers = [t for t in [*pending, *self._gathering.values()] if not t.done()]

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..collectives import Communicator
+from ._failure import break_comm
 from ._mlp_math import check_targets, mean_loss
 from .data_parallel import DistributedModel
 from .mesh import Mesh
@@ -39,7 +40,6 @@ from .pipeline import (
     MLPStage,
     PipelineParallel,
     Stage,
-    _break,
     _layer_range,
     _Saved,
     mlp_partition,
@@ -224,7 +224,7 @@ class Hybrid:
         try:
             return await work
         except (Exception, asyncio.CancelledError):
-            await _break(self.mesh.world)
+            await break_comm(self.mesh.world)
             raise
 
     def _share(self, batch: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:

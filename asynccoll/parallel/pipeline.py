@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 
 from ..collectives import Communicator
+from ._failure import break_comm
 from ._mlp_math import (
     activation_grad,
     add_dense_grads,
@@ -72,8 +73,6 @@ BALANCES: tuple[str, ...] = ("params", "layers")
 #: forward, ``+ 1`` its gradient backward (the pass order keeps passes apart: messages with
 #: one tag arrive in the order they were sent).
 TAG_BASE = 1 << 40
-#: The tag of the receive a failing stage starts and cancels to break the pipe group.
-_BREAK_TAG = TAG_BASE - 1
 
 
 def _tag(micro_batch: int, backward: bool) -> int:
@@ -792,7 +791,7 @@ class PipelineParallel(Model):
             # operations, and may have come while the stage computed
             if isinstance(exc, Exception | asyncio.CancelledError):
                 log.debug("pipeline stage %d failed: %r", self.stage_index, exc)
-                await _break(self.comm)
+                await break_comm(self.comm)
             raise
 
     def _split(self, batch: Any) -> tuple[list[Any], list[Any], list[float]]:
@@ -891,18 +890,6 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
-
-
-async def _break(comm: Communicator) -> None:
-    """Break ``comm`` for every rank: start a receive and cancel it (the Communicator's
-    contract: a cancelled operation makes the peers raise instead of waiting forever)."""
-    if comm.world_size < 2:
-        return
-    probe = asyncio.ensure_future(comm.recv((comm.rank + 1) % comm.world_size,
-                                            tag=_BREAK_TAG))
-    await asyncio.sleep(0)
-    probe.cancel()
-    await asyncio.gather(probe, return_exceptions=True)
 
 
 __all__ = ["BALANCES", "SCHEDULES", "TAG_BASE", "MLPStage", "PipelineParallel", "Stage",
