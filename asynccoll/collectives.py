@@ -81,10 +81,16 @@ def _sig_array(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
 
 
 def _into(out: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
+    """Concatenate ``blocks`` into ``out`` (the uneven all_gather's path). Blocks may be views
+    of ``out`` at even offsets (where they were received): those are concatenated apart first,
+    since moving one block to its place can overwrite another not moved yet."""
     rows = sum(b.shape[0] for b in blocks)
     if rows != out.shape[0]:
         raise CollectiveError(f"all_gather gathered {rows} rows but out has {out.shape[0]}")
-    np.concatenate(blocks, out=out)
+    if any(np.may_share_memory(b, out) for b in blocks):
+        out[...] = np.concatenate(blocks)
+    else:
+        np.concatenate(blocks, out=out)
     return out
 
 
@@ -97,7 +103,17 @@ def _pack_object(obj: Any) -> np.ndarray:
 
 
 def _unpack_object(a: np.ndarray) -> Any:
-    return msgpack.unpackb(a.tobytes(), raw=False, strict_map_key=False)
+    """The object packed in ``a``. Called after the collective that moved it, so that an
+    object that packs but does not unpack (a dict with tuple keys: a list is no key) raises
+    on every rank and leaves the communicator usable.
+
+    Raises:
+        TypeError: the bytes do not unpack.
+    """
+    try:
+        return msgpack.unpackb(a.tobytes(), raw=False, strict_map_key=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"object does not round-trip through msgpack: {exc}") from exc
 
 
 
@@ -111,12 +127,15 @@ class _Watchdog:
     A task runs at most one collective at a time, so tasks identify collectives.
     """
 
-    __slots__ = ("_deadlines", "_expired", "_handle", "_loop")
+    __slots__ = ("_armed", "_deadlines", "_expired", "_handle", "_loop")
 
     def __init__(self) -> None:
         self._deadlines: dict[asyncio.Task[Any], float] = {}
         self._expired: set[asyncio.Task[Any]] = set()
-        self._handle: asyncio.TimerHandle | None = None
+        # the timer and the deadline it is armed for (kept here: uvloop hands back a plain
+        # ``Handle``, without ``when()``, for a timer due within its 1 ms resolution)
+        self._handle: asyncio.Handle | None = None
+        self._armed = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def current_task(self) -> asyncio.Task[Any]:
@@ -134,10 +153,11 @@ class _Watchdog:
         loop = self._loop or asyncio.get_running_loop()
         deadline = loop.time() + timeout
         self._deadlines[task] = deadline
-        if self._handle is None or deadline < self._handle.when():
+        if self._handle is None or deadline < self._armed:
             if self._handle is not None:
                 self._handle.cancel()
             self._handle = loop.call_at(deadline, self._fire)
+            self._armed = deadline
 
     def unwatch(self, task: asyncio.Task[Any]) -> None:
         self._deadlines.pop(task, None)
@@ -165,6 +185,7 @@ class _Watchdog:
                 earliest = deadline
         if earliest is not None:
             self._handle = loop.call_at(earliest, self._fire)
+            self._armed = earliest
 
 
 class Communicator:
@@ -672,29 +693,32 @@ class Communicator:
     # -- objects --------------------------------------------------------------------------
 
     async def broadcast_object(self, obj: Any = None, root: int = 0) -> Any:
-        """Root's ``obj`` on every rank (msgpack-serialisable; tuples come back as lists)."""
+        """Root's ``obj`` on every rank (msgpack-serialisable; tuples come back as lists).
+
+        Raises:
+            TypeError: ``obj`` does not pack (on root), or packs but does not unpack (a dict
+                with tuple keys: on every rank, and the communicator stays usable).
+        """
         root = self._check_rank(root, "root")
         data = _pack_object(obj) if self._rank == root else None
 
-        async def body(call: Call) -> Any:
+        async def body(call: Call) -> np.ndarray:
             if call.size == 1:
-                return _unpack_object(data)  # type: ignore[arg-type]
-            got = await binomial_broadcast(call, root, data)
-            return _unpack_object(got)
+                return data  # type: ignore[return-value]
+            return await binomial_broadcast(call, root, data)
 
-        return await self._run(("broadcast_object", root), body, agree=True)
+        return _unpack_object(await self._run(("broadcast_object", root), body, agree=True))
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (msgpack-serialisable)."""
         data = _pack_object(obj)
         algo = self._tuning.all_gather(self.world_size)
 
-        async def body(call: Call) -> list[Any]:
+        async def body(call: Call) -> list[np.ndarray]:
             got = await self._gather_blocks(call, data, algo)
-            blocks = list(got.reshape(call.size, -1)) if isinstance(got, np.ndarray) else got
-            return [_unpack_object(b) for b in blocks]
+            return list(got.reshape(call.size, -1)) if isinstance(got, np.ndarray) else got
 
-        return await self._run(("all_gather_object", algo), body)
+        return [_unpack_object(b) for b in await self._run(("all_gather_object", algo), body)]
 
     # -- groups and lifetime --------------------------------------------------------------
 

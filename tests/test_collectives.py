@@ -848,6 +848,23 @@ async def test_all_gather(run, backend, tuning, world_size):
     await run(fn, world_size, backend, tuning=tuning)
 
 
+@pytest.mark.parametrize("rows", [[3, 2, 1], [4, 1, 2, 1], [3, 2, 2, 1]],
+                         ids=lambda rows: "-".join(map(str, rows)))
+async def test_all_gather_into_out_with_uneven_rows(run, backend, tuning, rows):
+    """Uneven blocks gathered into ``out``: where this rank's rows times the world size happen
+    to equal the total, the blocks are first received into ``out`` at even offsets, and must
+    not be overwritten as they are moved to their real places."""
+    async def fn(comm: Communicator) -> None:
+        a = np.full((rows[comm.rank], 2), comm.rank, np.int32)
+        out = np.full((sum(rows), 2), -1, np.int32)
+        got = await comm.all_gather(a, out=out)
+        expected = np.concatenate([np.full((k, 2), j, np.int32) for j, k in enumerate(rows)])
+        assert got is out
+        assert_exact(got, expected, f"all_gather into out, rank {comm.rank}")
+
+    await run(fn, len(rows), backend, tuning=tuning)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 async def test_all_gather_zero_size_trailing_axis(run, backend, tuning, world_size):
     """Different axis-0 lengths of arrays that hold no bytes: the shape must still add up."""
@@ -1081,6 +1098,23 @@ async def test_all_gather_object(run, backend, tuning, world_size):
             assert got == [obj(k, j) for j in range(comm.world_size)]
 
     await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+async def test_object_that_packs_but_does_not_unpack(run, backend, world_size):
+    """A dict with tuple keys packs (the key becomes an array) but cannot be unpacked (a list
+    is no key): a ``TypeError`` on every rank, as for an object that does not pack, and the
+    communicator goes on."""
+    async def fn(comm: Communicator) -> None:
+        with pytest.raises(TypeError, match="msgpack"):
+            await comm.broadcast_object({(1, 2): 3} if comm.rank == 0 else None)
+        with pytest.raises(TypeError, match="msgpack"):
+            await comm.all_gather_object({(1, 2): 3} if comm.rank == world_size - 1 else 1)
+        assert await comm.broadcast_object({"ok": 1}) == {"ok": 1}
+        assert await comm.all_gather_object(comm.rank) == list(range(world_size))
+        assert_array_equal(await comm.all_reduce(np.ones(2)), np.full(2, float(world_size)))
+
+    await run(fn, world_size, backend)
 
 
 # ---------------------------------------------------------------------------------- groups

@@ -355,6 +355,30 @@ async def test_skipped_collective_times_out(backend, tuning, world_size):
         assert timeout * 0.8 <= res.elapsed <= timeout + PROMPT, res.elapsed
 
 
+def test_timeout_already_due_under_uvloop(backend):
+    """uvloop runs a timer due within its resolution (1 ms) as a plain ``Handle``, which has
+    no ``when()``: the collectives after one armed such a timer must still time out as
+    ``CollectiveTimeout``, not fail inside the watchdog."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def fn(comm: Communicator) -> list[BaseException]:
+        comm.timeout = 0.0
+        errors: list[BaseException] = []
+        for _ in range(3):
+            try:
+                await comm.all_reduce(np.ones(3))
+            except Exception as exc:
+                errors.append(exc)
+        return errors
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        results = runner.run(asynccoll.run_local(fn, 2, backend, timeout=LONG_TIMEOUT))
+    errors = [e for errs in results for e in errs]
+    assert errors, "a timeout of 0 s never fired"
+    assert all(isinstance(e, CollectiveError) for e in errors), errors
+    assert any(isinstance(e, CollectiveTimeout) for e in errors), errors
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 async def test_recv_without_send_times_out(backend, world_size):
     async def fn(comm: Communicator) -> Outcome | None:

@@ -67,6 +67,31 @@ async def test_a_lent_frame_is_released_when_the_world_breaks() -> None:
     assert results[0] in ("PeerLostError", "CollectiveTimeout", "CollectiveError")
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_a_sender_cancelled_while_its_payload_is_lent(world_size: int) -> None:
+    """A non-root of a large reduce lends its block to the root and is cancelled while it
+    waits for the copy: the root, taking the frame after that, raises ``CollectiveError``
+    (the sender took its memory back), not asyncio's ``InvalidStateError``."""
+    n = 4 * LEND_MIN_BYTES // 8 * world_size
+
+    async def fn(comm: asynccoll.Communicator) -> str:
+        try:
+            if comm.rank == comm.world_size - 1:
+                await asyncio.sleep(0.05)  # the others are waiting already
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.0):
+                        await comm.reduce(np.ones(n), root=0)
+                return "cancelled"
+            await comm.reduce(np.ones(n), root=0)
+        except asynccoll.CollectiveError:
+            return "failed"
+        return "returned"
+
+    results = await asynccoll.run_local(fn, world_size, timeout=5)
+    assert results[-1] == "cancelled"
+    assert results[0] == "failed"
+
+
 # ------------------------------------------------------- borrowed payloads and worker threads
 
 def _head(src: int, step: int, nbytes: int) -> bytes:

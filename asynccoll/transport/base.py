@@ -169,6 +169,9 @@ class Mailbox:
         lent = self._lent.pop(key, None)
         if lent is None:
             return self._hand_over(key, frame, into, borrow)
+        if lent.done():  # cancelled: the sender gave up the collective, and took its memory back
+            raise CollectiveError(f"world rank {key[0]} gave up the collective before its "
+                                  f"frame was read")
         if borrow and _fits(frame, into):
             self._borrowed[key] = lent
             return frame
@@ -346,7 +349,7 @@ class Mailbox:
         for key in [k for k in self._early if not self._key_allowed(k)]:
             del self._early[key]
             lent = self._lent.pop(key, None)
-            if lent is not None:
+            if lent is not None and not lent.done():  # done: cancelled by its sender
                 lent.set_result(None)
         # a failed collective's receiver will not release what it borrowed: give it back
         # (it may still read the memory, but never hands out what it computes from it)
