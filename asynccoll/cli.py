@@ -44,6 +44,9 @@ class _Launcher:
         self.restarts_left = max_restarts
         self.succeeded = 0
         self.watchers: list[asyncio.Future[None]] = []
+        #: per process (in the order of ``procs``), the reading of its stdout and stderr,
+        #: which children it started may hold open after it has gone
+        self.outputs: list[asyncio.Future[Any]] = []
         self.command = command
         self.addr = addr
         self.port = port
@@ -84,8 +87,12 @@ class _Launcher:
             *self.command, env=self.env(rank, rdv_port), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, limit=1 << 20)
+        assert proc.stdout is not None and proc.stderr is not None
+        output = asyncio.gather(self._pump(rank, proc.stdout, sys.stdout),
+                                self._pump(rank, proc.stderr, sys.stderr))
         self.procs.append(proc)
-        self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, rdv_port)))
+        self.outputs.append(output)
+        self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, output, rdv_port)))
 
     async def _pump(self, rank: int, stream: asyncio.StreamReader, out: Any) -> None:
         prefix = f"[{rank}] ".encode()
@@ -112,10 +119,10 @@ class _Launcher:
                     os.dup2(null, out.fileno())
                     os.close(null)
 
-    async def _watch(self, rank: int, proc: asyncio.subprocess.Process, rdv_port: int) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
-        await asyncio.gather(self._pump(rank, proc.stdout, sys.stdout),
-                             self._pump(rank, proc.stderr, sys.stderr))
+    async def _watch(self, rank: int, proc: asyncio.subprocess.Process,
+                     output: asyncio.Future[Any], rdv_port: int) -> None:
+        """Act on the exit of ``proc`` as soon as it exits (not once its output is closed:
+        children it started may hold that open), then wait for the end of its output."""
         code = await proc.wait()
         if code == 0:
             self.succeeded += 1
@@ -137,19 +144,27 @@ class _Launcher:
             sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
                              f"stopping the others\n")
             await self.stop()
+        await output
 
     def _signal_all(self, sig: int) -> None:
-        for proc in self.procs:
-            if proc.returncode is None:
+        """Send ``sig`` to the process group of every rank that runs, or that has exited
+        but left children holding its output open."""
+        for proc, output in zip(self.procs, self.outputs, strict=True):
+            if proc.returncode is None or not output.done():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
+
+    async def _wait_all(self) -> None:
+        """Until every rank has exited and its output is closed."""
+        await asyncio.gather(*(p.wait() for p in self.procs))
+        await asyncio.wait(self.outputs)
 
     async def stop(self, first: int = signal.SIGTERM) -> None:
         self.stopping = True
         self._signal_all(first)
         try:
             async with asyncio.timeout(GRACE_SECONDS):
-                await asyncio.gather(*(p.wait() for p in self.procs))
+                await self._wait_all()
         except TimeoutError:
             self._signal_all(signal.SIGKILL)
             await asyncio.gather(*(p.wait() for p in self.procs))
@@ -158,7 +173,12 @@ class _Launcher:
         from .rendezvous import RendezvousServer
 
         server = RendezvousServer(self.bind, self.port, token=self.token)
-        await server.start()
+        try:
+            await server.start()
+        except OSError as exc:
+            sys.stderr.write(f"asynccoll run: cannot start the rendezvous server on "
+                             f"{self.bind}:{self.port}: {exc}\n")
+            return 1
         loop = asyncio.get_running_loop()
         interrupted = asyncio.Event()
 
@@ -168,22 +188,26 @@ class _Launcher:
             interrupted.set()
             self._signal_all(signal.SIGINT)
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, on_interrupt)
+        # (SIGHUP: the terminal went away; the ranks, in sessions of their own, would not know)
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, on_interrupt)
         try:
             for rank in range(self.n):
                 await self.spawn(rank, server.port)
             interrupt = asyncio.ensure_future(interrupted.wait())
             # (the list grows when an elastic run starts a replacement)
             while not interrupt.done() and not all(w.done() for w in self.watchers):
-                waiting: list[asyncio.Future[Any]] = [*self.watchers, interrupt]
+                # (only those still running: a finished one would end every wait at once)
+                waiting: list[asyncio.Future[Any]] = [
+                    *(w for w in self.watchers if not w.done()), interrupt]
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if interrupt.done():
                 sys.stderr.write("asynccoll run: interrupted; stopping the ranks\n")
                 try:
                     async with asyncio.timeout(GRACE_SECONDS):
-                        await asyncio.gather(*(p.wait() for p in self.procs))
+                        await self._wait_all()
                 except TimeoutError:
                     await self.stop(signal.SIGKILL)
                 await asyncio.gather(*self.watchers, return_exceptions=True)
@@ -212,6 +236,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     if not args.script:
         sys.stderr.write("asynccoll run: give a script (or -m module) to run\n")
+        return 2
+    if not 0 <= args.port <= 65535:
+        sys.stderr.write(f"asynccoll run: --port must be 0-65535, got {args.port}\n")
         return 2
     if args.module:
         command = [sys.executable, "-m", *args.script]

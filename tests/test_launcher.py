@@ -368,3 +368,100 @@ def test_torchrun_style_environment(reaper: Callable[..., Proc]) -> None:
             assert f"OK rank {r}" in p.output, p.output
         return
     pytest.fail("could not find a free MASTER_PORT in 3 attempts")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_launcher_idles_while_the_last_rank_runs_on(reaper: Callable[..., Proc],
+                                                    tmp_path: Path) -> None:
+    """Once one rank has finished, the launcher waits for the others without spinning a core
+    (asyncio.wait on a finished watcher returns at once, every time)."""
+    script = tmp_path / "uneven.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print(f'PID {os.getpid()}', flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(4)\n"
+        "print('DONE', flush=True)\n")
+    proc = reaper(launcher("-n", "2", str(script)))
+    assert proc.wait_for(lambda lines: "[0] DONE" in lines, 20), proc.output
+    time.sleep(0.5)  # rank 0's watcher has finished by now
+    before = _cpu_seconds(proc.popen.pid)
+    time.sleep(2.0)
+    used = _cpu_seconds(proc.popen.pid) - before
+    code = proc.finish(20)
+    assert code == 0, proc.output
+    assert used < 0.5, f"the launcher used {used:.2f} s of CPU in 2 s of waiting"
+
+
+def test_a_failed_rank_whose_child_keeps_its_output_open(reaper: Callable[..., Proc],
+                                                         tmp_path: Path) -> None:
+    """Rank 1 starts a child (which inherits its stdout, as DataLoader workers or helper
+    processes do) and fails; rank 0 hangs. The launcher still notices the failure at once,
+    stops rank 0, leaves no process behind (the child included) and exits non-zero."""
+    script = tmp_path / "leaves_a_child.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "print(f'PID {os.getpid()}', flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import os, time; "
+        "print(f\"PID {os.getpid()}\", flush=True); time.sleep(120)'])\n"
+        "    time.sleep(0.5)  # the child printed its PID line\n"
+        "    raise SystemExit('rank 1 failed')\n"
+        "time.sleep(120)\n")
+    t0 = time.monotonic()
+    proc = reaper(launcher("-n", "2", str(script)))
+    code = proc.finish(30)
+    wall = time.monotonic() - t0
+    out = proc.output
+    assert code != 0, out
+    assert "rank 1 exited with code 1" in out, out
+    assert wall < 15.0, f"the run took {wall:.1f} s:\n{out}"
+    pids = proc.child_pids()
+    assert len(pids) == 3, out
+    assert_all_gone(pids)
+
+
+def test_rendezvous_port_in_use(reaper: Callable[..., Proc]) -> None:
+    """``--port`` naming a port that is taken: a one-line error naming it, no traceback, no
+    rank started."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = reaper(launcher("-n", "2", "--port", str(port),
+                               str(HELPERS / "allreduce_check.py")))
+        code = proc.finish(30)
+    out = proc.output
+    assert code != 0, out
+    assert "Traceback" not in out, out
+    assert f"127.0.0.1:{port}" in out and "in use" in out, out
+    assert not proc.child_pids(), out
+
+
+def test_rendezvous_port_out_of_range() -> None:
+    res = subprocess.run(launcher("-n", "2", "--port", "70000", str(HELPERS / "chatty.py")),
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=30,
+                         check=False)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and "--port must be 0-65535" in res.stderr, res.stderr
+
+
+def test_hangup_stops_everything(reaper: Callable[..., Proc]) -> None:
+    """SIGHUP (the terminal or the ssh session of the launcher went away) stops the ranks
+    too: they run in sessions of their own, so nothing else would tell them."""
+    proc = reaper(launcher("-n", "2", str(HELPERS / "faulty.py"), "forever"))
+    ready = proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines) == 2,
+                          timeout=30)
+    assert ready, proc.output
+    pids = proc.child_pids()
+    proc.popen.send_signal(signal.SIGHUP)
+    code = proc.finish(15)
+    assert code != 0, proc.output
+    assert_all_gone(pids)

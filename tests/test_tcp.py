@@ -843,3 +843,24 @@ async def test_an_unknown_congestion_control_is_reported_once_and_the_world_work
     # one warning per rank at most (each rank has several connections)
     assert 1 <= len(warned) <= 3, warned
     assert "keeping the system's" in warned[0]
+
+
+# ---------------------------------------------------------------------- the environment
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+    ({"ASYNCCOLL_RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "99999"}, "MASTER_PORT=99999"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "ASYNCCOLL_PORT": "-1"}, "ASYNCCOLL_PORT=-1"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "ASYNCCOLL_RENDEZVOUS": "127.0.0.1:70000"},
+     "ASYNCCOLL_RENDEZVOUS"),
+])
+async def test_malformed_environment_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:
+    """A malformed variable is a ValueError naming the variable the user actually set."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        await asynccoll.init(backend="tcp", timeout=2.0)
+    assert message in str(info.value)
+    assert f"ASYNCCOLL_{message}" not in str(info.value) or message.startswith("ASYNCCOLL_")

@@ -1068,16 +1068,31 @@ def _env(*names: str) -> str | None:
     return None
 
 
-def _env_int(value: int | None, *names: str, what: str) -> int | None:
+#: the ports a TCP address can name
+PORTS = range(65536)
+
+
+def _env_int(value: int | None, *names: str, what: str, valid: range | None = None
+             ) -> int | None:
+    """``value``, or else the integer in the first of the variables ``names`` that is set
+    (``None`` if none is). Raises ``ValueError`` naming the variable (or ``what``) when it
+    is not an integer, or not in ``valid``."""
     if value is not None:
+        if valid is not None and value not in valid:
+            raise ValueError(f"{what} {value} is out of range ({valid.start}-{valid.stop - 1})")
         return value
-    raw = _env(*names)
-    if raw is None:
+    name = next((n for n in names if os.environ.get(n) not in (None, "")), None)
+    if name is None:
         return None
+    raw = os.environ[name]
     try:
-        return int(raw)
+        number = int(raw)
     except ValueError:
-        raise ValueError(f"{names[0]}={raw!r} is not an integer ({what})") from None
+        raise ValueError(f"{name}={raw!r} is not an integer ({what})") from None
+    if valid is not None and number not in valid:
+        raise ValueError(f"{name}={number} is out of range ({what}: "
+                         f"{valid.start}-{valid.stop - 1})")
+    return number
 
 
 def _local_ip(client: Any) -> str:
@@ -1130,15 +1145,16 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     addr = addr or _env("ASYNCCOLL_ADDR", "MASTER_ADDR") or "127.0.0.1"
-    port = _env_int(port, "ASYNCCOLL_PORT", "MASTER_PORT", what="port")
+    port = _env_int(port, "ASYNCCOLL_PORT", "MASTER_PORT", what="port", valid=PORTS)
     port = 29500 if port is None else port
     token = token if token is not None else _env("ASYNCCOLL_TOKEN")
     rendezvous = rendezvous or _env("ASYNCCOLL_RENDEZVOUS")
     rdv_host, rdv_port = addr, port
     if rendezvous:
         host_part, _, port_part = rendezvous.rpartition(":")
-        if not host_part or not port_part.isdigit():
-            raise ValueError(f"ASYNCCOLL_RENDEZVOUS must be host:port, got {rendezvous!r}")
+        if not host_part or not port_part.isdigit() or int(port_part) not in PORTS:
+            raise ValueError(f"ASYNCCOLL_RENDEZVOUS must be host:port (port 0-65535), "
+                             f"got {rendezvous!r}")
         rdv_host, rdv_port = host_part, int(port_part)
     if host_rendezvous is None:
         host_rendezvous = rank == 0 and not rendezvous
