@@ -288,6 +288,31 @@ async def test_roster_waits_for_world_size(server: RendezvousServer) -> None:
             await c.close()
 
 
+async def test_a_finished_worlds_roster_is_cleared_by_the_next_join(
+        server: RendezvousServer) -> None:
+    a, b = await connect(server), await connect(server)
+    await a.join(0, "10.0.0.1", 5000)
+    await b.join(1, "10.0.0.2", 5001)
+    await a.close()
+    await asyncio.sleep(0.1)
+    c = await connect(server)
+    try:
+        # b's connection is open: its world may still be forming, the roster is kept
+        await c.join(2, "10.0.0.3", 5002)
+        assert set((await c.roster())["members"]) == {0, 1, 2}
+    finally:
+        await b.close()
+        await c.close()
+    await asyncio.sleep(0.1)
+    d = await connect(server)
+    try:
+        # every member's connection closed: that world is over, the next join starts anew
+        await d.join(0, "10.0.0.4", 5003)
+        assert (await d.roster())["members"] == {0: ["10.0.0.4", 5003, {}]}
+    finally:
+        await d.close()
+
+
 async def test_large_roster(client: RendezvousClient) -> None:
     # far more than a 64 KiB header could hold: the members travel in the payload
     n = 3000

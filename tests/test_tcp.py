@@ -81,6 +81,35 @@ async def tcp_world(world_size: int, *, token: str | None = TOKEN, timeout: floa
         await server.close()
 
 
+async def test_a_standalone_rendezvous_serves_one_world_after_another() -> None:
+    """The roster of a world that is over (every rank closed) does not leak into the next
+    world on the same server: its rank 0, joining first, waits for the new rank 1 instead of
+    dialling the old one's dead port."""
+    server = RendezvousServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+    try:
+        for world in range(2):
+            first = asyncio.create_task(tcp_init(
+                rank=0, world_size=2, addr="127.0.0.1", port=server.port, timeout=10.0,
+                token=TOKEN, host_rendezvous=False))
+            await asyncio.sleep(0.3)  # rank 0 alone in the roster (world 1: beside the old)
+            assert not first.done()
+            second = await tcp_init(rank=1, world_size=2, addr="127.0.0.1", port=server.port,
+                                    timeout=10.0, token=TOKEN, host_rendezvous=False)
+            comms = [await first, second]
+            try:
+                xs = [np.full(4, r + world, np.float32) for r in range(2)]
+                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+                for x in xs:
+                    np.testing.assert_array_equal(x, np.full(4, 1 + 2 * world, np.float32))
+            finally:
+                for c in comms:
+                    await c.close()
+            await asyncio.sleep(0.1)  # the server sees both connections close
+    finally:
+        await server.close()
+
+
 def peer_address(comm: Communicator) -> tuple[str, int]:
     t = comm.transport
     assert isinstance(t, TcpTransport)

@@ -123,6 +123,11 @@ class RendezvousServer:
         self._max_value_bytes = max_value_bytes
         self._send_timeout = float(send_timeout)
         self.store = Store()
+        #: the sessions, numbered from 1: those open, the last one's number, and the one whose
+        #: request a handler serves (roster entries remember who joined them, see Store.join)
+        self._live: set[int] = set()
+        self._sessions = 0
+        self._caller = 0
         self._waiters: dict[Any, set[asyncio.Future[None]]] = {}
         self._handlers: dict[str, Callable[[dict[str, Any], bytes], _Result | _Later]] = {
             "set": self._op_set, "get": self._op_get, "wait": self._op_wait,
@@ -245,11 +250,15 @@ class RendezvousServer:
         """Serve requests until the client leaves; return True when the connection should be
         aborted rather than closed gracefully."""
         abort = True
+        self._sessions += 1
+        session = self._sessions
+        self._live.add(session)
         try:
             async with asyncio.TaskGroup() as tg:
                 while (frame := await read_frame(reader, self._max_value_bytes)) is not None:
                     rid, op, args = _parse_request(frame)
-                    await self._dispatch(tg, writer, rid, op, args, bytes(frame.payload))
+                    await self._dispatch(tg, writer, rid, op, args, bytes(frame.payload),
+                                         session)
                 raise _Hangup
         except* _Hangup:
             logger.debug("rendezvous: %s disconnected", peer)
@@ -263,14 +272,17 @@ class RendezvousServer:
         except* (ConnectionError, OSError) as group:
             logger.warning("rendezvous: connection from %s lost: %s", peer,
                            group.exceptions[0])
+        finally:
+            self._live.discard(session)
         return abort
 
     async def _dispatch(self, tg: asyncio.TaskGroup, writer: asyncio.StreamWriter, rid: int,
-                        op: str, args: dict[str, Any], payload: bytes) -> None:
+                        op: str, args: dict[str, Any], payload: bytes, session: int) -> None:
         handler = self._handlers.get(op)
         try:
             if handler is None:
                 raise _OpError(E_UNKNOWN_OP, f"unknown op {op!r}")
+            self._caller = session        # read by handlers (synchronous: no await before)
             result = handler(args, payload)
         except _OpError as exc:
             await self._respond(writer, _error_response(rid, exc))
@@ -420,7 +432,8 @@ class RendezvousServer:
         host = _arg_str(args, "host")
         port = _arg_int(args, "port", 0, 65535)
         assert rank is not None and port is not None
-        generation = self.store.join(rank, host, port, _arg_meta(args))
+        generation = self.store.join(rank, host, port, _arg_meta(args), self._caller,
+                                     self._live)
         self._changed_roster()
         return {"generation": generation}, b""
 

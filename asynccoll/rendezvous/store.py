@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,11 +13,13 @@ from ._common import _DECIMAL, _I64_MAX, _I64_MIN, E_NOT_INTEGER, E_OVERFLOW, _O
 
 @dataclass(slots=True)
 class Member:
-    """One rank of the roster."""
+    """One rank of the roster, and the connection (``owner``, the server's number for it)
+    that joined it."""
 
     host: str
     port: int
     meta: dict[str, Any]
+    owner: int = 0
 
 
 @dataclass(slots=True)
@@ -54,8 +57,16 @@ class Store:
     def delete(self, key: str) -> bool:
         return self.data.pop(key, None) is not None
 
-    def join(self, rank: int, host: str, port: int, meta: dict[str, Any]) -> int:
-        self.members[rank] = Member(host, port, meta)
+    def join(self, rank: int, host: str, port: int, meta: dict[str, Any], owner: int = 0,
+             live: Collection[int] | None = None) -> int:
+        """Add (or replace) ``rank``'s entry, joined by connection ``owner``. Given the
+        connections still open (``live``), a roster none of whose members' connections is
+        among them belongs to a world that is over, and is cleared first: a standalone
+        server then serves one world after another."""
+        if live is not None and self.members and not any(
+                m.owner in live for m in self.members.values()):
+            self.members.clear()
+        self.members[rank] = Member(host, port, meta, owner)
         return self.generation
 
     def leave(self, rank: int) -> bool:
