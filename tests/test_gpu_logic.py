@@ -368,3 +368,22 @@ def test_dtype_plans_cover_every_dtype_and_op() -> None:
         assert plan.kind in ("native", "widen", "gather"), (dtype, op)
         if plan.kind != "gather":
             assert plan.nccl_type and plan.nccl_op and plan.view
+
+
+def test_a_send_refused_for_its_array_sends_nothing(fake: Any) -> None:
+    """API.md: a non-contiguous or unsupported array is a TypeError raised before anything is
+    sent. The device flag that travels beside each message must not go out either, or the
+    receiver pairs it with the next message (a CuPy array would arrive as NumPy)."""
+    async def fn(comm: Any) -> Any:
+        if comm.rank == 0:
+            for bad in (np.arange(6.0)[::2], np.array(["x"]), [1.0]):
+                with pytest.raises(TypeError):
+                    await comm.send(bad, 1, tag=4)
+            await comm.send(dev(fake, np.arange(3.0)), 1, tag=4)
+            return None
+        got = await comm.recv(0, tag=4)
+        return is_device_array(got), got.get() if is_device_array(got) else got
+
+    got = run_nccl(fn, world_size=2)
+    assert got[1][0], "the CuPy array arrived as NumPy: a refused send's flag went out"
+    np.testing.assert_array_equal(got[1][1], np.arange(3.0))

@@ -698,7 +698,12 @@ class MpiCommunicator(Communicator):
     # -- objects -------------------------------------------------------------------------
 
     async def broadcast_object(self, obj: Any = None, root: int = 0) -> Any:
-        """Root's ``obj`` on every rank (msgpack-serialisable; tuples come back as lists)."""
+        """Root's ``obj`` on every rank (msgpack-serialisable; tuples come back as lists).
+
+        Raises:
+            TypeError: ``obj`` does not pack (on root), or packs but does not unpack (a dict
+                with tuple keys: on every rank, and the communicator stays usable).
+        """
         root = self._check_rank(root, "root")
         data = _pack_object(obj) if self._rank == root else None
         if self.world_size == 1:
@@ -706,28 +711,34 @@ class MpiCommunicator(Communicator):
             return _unpack_object(data)  # type: ignore[arg-type]
         mpi = self._mpi
 
-        async def body(op: _Op, meta: np.ndarray | None) -> Any:
+        async def body(op: _Op, meta: np.ndarray | None) -> np.ndarray:
             assert meta is not None
             buf = data if data is not None else np.empty(int(meta[root, 1]), np.uint8)
             comm = await op.stage(0)
             req = op.track(comm.Ibcast([buf, buf.size, mpi.BYTE], root), buf)
             op.issued(0)
             await op.wait(req)
-            return _unpack_object(buf)
+            return buf
 
-        return await self._collective(("broadcast_object", root), body, meta=True,
-                                      extra=0 if data is None else data.size,
-                                      payload=0 if data is None else data.size)
+        # unpacked after the collective: an object that packs but does not unpack raises
+        # TypeError on every rank and leaves the communicator usable
+        return _unpack_object(await self._collective(
+            ("broadcast_object", root), body, meta=True, extra=0 if data is None else data.size,
+            payload=0 if data is None else data.size))
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` in rank order (msgpack-serialisable)."""
+        """Every rank's ``obj`` in rank order (msgpack-serialisable).
+
+        Raises:
+            TypeError: as ``broadcast_object`` (the communicator stays usable).
+        """
         data = _pack_object(obj)
         if self.world_size == 1:
             self._check_open()
             return [_unpack_object(data)]
         mpi = self._mpi
 
-        async def body(op: _Op, meta: np.ndarray | None) -> list[Any]:
+        async def body(op: _Op, meta: np.ndarray | None) -> list[np.ndarray]:
             assert meta is not None
             sizes = [int(n) for n in meta[:, 1]]
             every = np.empty(sum(sizes), np.uint8)
@@ -737,10 +748,11 @@ class MpiCommunicator(Communicator):
                                             [every, sizes, displs, mpi.BYTE]), data, every)
             op.issued(0)
             await op.wait(req)
-            return [_unpack_object(every[p:p + n]) for p, n in zip(displs, sizes, strict=True)]
+            return [every[p:p + n] for p, n in zip(displs, sizes, strict=True)]
 
-        return await self._collective(("all_gather_object",), body, meta=True, extra=data.size,
-                                      payload=data.size)
+        # unpacked after the collective, as in broadcast_object
+        return [_unpack_object(b) for b in await self._collective(
+            ("all_gather_object",), body, meta=True, extra=data.size, payload=data.size)]
 
     # -- groups and lifetime -------------------------------------------------------------
 

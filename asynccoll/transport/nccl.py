@@ -704,7 +704,8 @@ class NcclCommunicator(DelegatingCommunicator):
     async def send(self, array: Any, dst: int, tag: int = 0) -> None:
         """Send ``array`` (NumPy, or CuPy through pinned host memory) to group rank ``dst``."""
         device = is_device_array(array)
-        host = to_host(self._check_device(array)) if device else array
+        # checked before the flag goes out: a refused array must send nothing
+        host = to_host(self._check_device(array)) if device else _check_array(array)
         await asyncio.gather(self._flags.send(np.array([device], np.uint8), dst, tag),
                              self._inner.send(host, dst, tag))
 
