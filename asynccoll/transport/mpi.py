@@ -690,6 +690,8 @@ class MpiCommunicator(Communicator):
 
     def _recv_failed(self, fut: asyncio.Future[Any], item: tuple[np.ndarray, Any] | None,
                      err: CollectiveError) -> None:
+        if item is None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            item = fut.result()  # handed over just as the wait was cancelled: keep it alive
         fut.cancel()
         if item is not None:
             self._world.abandon([item[1]], (item[0],))
