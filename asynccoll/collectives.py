@@ -120,17 +120,37 @@ def _unpack_object(a: np.ndarray) -> Any:
 # ----------------------------------------------------------------------------- communicator
 
 class _Watchdog:
-    """Cancels collectives that outlive their timeout.
+    """Cancels collectives (and point-to-point calls) that make no progress for their timeout.
 
-    One timer per communicator, armed for the earliest deadline, instead of an
+    One timer per communicator, armed for the earliest check, instead of an
     ``asyncio.timeout`` per call (whose set-up costs more than a small all_reduce's own work).
     A task runs at most one collective at a time, so tasks identify collectives.
+
+    Progress is bytes moving on the transport: bytes received (``Transport.bytes_received``;
+    for a point-to-point call, from its peer only, ``received_from``), or a backlog of bytes
+    to write (``unsent_bytes``) that changed. A call is looked at every ``timeout /
+    CHECKS`` while it runs (the counters are read then, and once when it starts), and
+    cancelled once nothing moved for ``timeout``: a transfer that keeps moving is never cut
+    short, and one that stalls stops between ``timeout`` and ``timeout * (1 + 1 / CHECKS)``
+    after its last byte. Bytes moved for other calls of the same transport count too.
     """
 
-    __slots__ = ("_armed", "_deadlines", "_expired", "_handle", "_loop")
+    #: looks per timeout at a running call
+    CHECKS = 4
+    #: the timers' resolution (uvloop's): a look this early counts as on time
+    SLACK = 1e-3
 
-    def __init__(self) -> None:
+    __slots__ = ("_armed", "_deadlines", "_expired", "_handle", "_loop", "_transport",
+                 "_windows")
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        #: per task: when to look at it next
         self._deadlines: dict[asyncio.Task[Any], float] = {}
+        #: per task: [timeout, the peer of a point-to-point call or -1, bytes received (from
+        #: it) at the last look, unsent bytes (to it) at the last look or -1, when bytes last
+        #: moved (or the call began)]
+        self._windows: dict[asyncio.Task[Any], list[Any]] = {}
         self._expired: set[asyncio.Task[Any]] = set()
         # the timer and the deadline it is armed for (kept here: uvloop hands back a plain
         # ``Handle``, without ``when()``, for a timer due within its 1 ms resolution)
@@ -149,10 +169,15 @@ class _Watchdog:
             assert task is not None
         return task
 
-    def watch(self, task: asyncio.Task[Any], timeout: float) -> None:
+    def watch(self, task: asyncio.Task[Any], timeout: float, peer: int = -1) -> None:
+        """Watch ``task``'s call (with world rank ``peer`` only, for point to point)."""
         loop = self._loop or asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        now = loop.time()
+        deadline = now + timeout / self.CHECKS
         self._deadlines[task] = deadline
+        t = self._transport
+        self._windows[task] = [timeout, peer,
+                               t.bytes_received if peer < 0 else t.received_from[peer], -1, now]
         if self._handle is None or deadline < self._armed:
             if self._handle is not None:
                 self._handle.cancel()
@@ -161,6 +186,7 @@ class _Watchdog:
 
     def unwatch(self, task: asyncio.Task[Any]) -> None:
         self._deadlines.pop(task, None)
+        self._windows.pop(task, None)
         self._expired.discard(task)
 
     def expired(self, task: asyncio.Task[Any]) -> bool:
@@ -175,13 +201,29 @@ class _Watchdog:
         self._handle = None
         loop = self._loop or asyncio.get_running_loop()
         now = loop.time()
+        t = self._transport
         earliest = None
         for task, deadline in list(self._deadlines.items()):
             if deadline <= now:
-                del self._deadlines[task]
-                self._expired.add(task)
-                task.cancel()
-            elif earliest is None or deadline < earliest:
+                window = self._windows[task]
+                timeout, peer, mark, backlog, since = window
+                received = t.bytes_received if peer < 0 else t.received_from[peer]
+                if received != mark:  # bytes came in
+                    window[2] = received
+                    window[4] = since = now
+                else:
+                    unsent = t.unsent_bytes(None if peer < 0 else peer)
+                    if unsent != backlog and (unsent or backlog > 0):  # bytes went out
+                        window[3] = unsent
+                        window[4] = since = now
+                if now >= since + timeout - self.SLACK:  # nothing moved for its timeout
+                    del self._deadlines[task], self._windows[task]
+                    self._expired.add(task)
+                    task.cancel()
+                    continue
+                deadline = min(now + timeout / self.CHECKS, since + timeout)
+                self._deadlines[task] = deadline
+            if earliest is None or deadline < earliest:
                 earliest = deadline
         if earliest is not None:
             self._handle = loop.call_at(earliest, self._fire)
@@ -215,7 +257,7 @@ class Communicator:
         self._closed = False
         self._owns_transport = owns_transport
         self.timeout = float(timeout)
-        self._watchdog = _Watchdog()
+        self._watchdog = _Watchdog(transport)
         self.tuning = tuning if tuning is not None else Tuning()  # also starts self._plans
         self.backend = backend
 
@@ -642,17 +684,21 @@ class Communicator:
         t = self._transport
         head = encode_data_head(FrameKind.P2P, self._group, n, 0, tag, t.rank,
                                 dtype_code(a.dtype), a.shape, None, a.nbytes)
+        watchdog = self._watchdog
+        task = watchdog.current_task()
+        watchdog.watch(task, self.timeout, self._ranks[dst])
         try:
-            async with asyncio.timeout(self.timeout):
-                await t.send(self._ranks[dst], head, bytes_view(a))
-        except TimeoutError:
-            err = CollectiveTimeout(f"send to group rank {dst} made no progress within "
-                                    f"{self.timeout:g} s")
-            self._p2p_failed(self._ranks[dst], err)
-            raise err from None
+            await t.send(self._ranks[dst], head, bytes_view(a))
         except asyncio.CancelledError:
+            if watchdog.expired(task):
+                err = CollectiveTimeout(f"send to group rank {dst} made no progress within "
+                                        f"{self.timeout:g} s")
+                self._p2p_failed(self._ranks[dst], err)
+                raise err from None
             t.abort(CollectiveError(f"send on group rank {self._rank} was cancelled"))
             raise
+        finally:
+            watchdog.unwatch(task)
 
     async def recv(self, src: int, tag: int = 0) -> np.ndarray:
         """Receive the next array group rank ``src`` sent with ``tag`` (a new array)."""
@@ -665,17 +711,21 @@ class Communicator:
         self._p2p_received[(src, tag)] = n + 1
         t = self._transport
         key = (self._ranks[src], int(FrameKind.P2P), self._group, n, 0, tag)
+        watchdog = self._watchdog
+        task = watchdog.current_task()
+        watchdog.watch(task, self.timeout, self._ranks[src])
         try:
-            async with asyncio.timeout(self.timeout):
-                frame = await t.recv(key)
-        except TimeoutError:
-            err = CollectiveTimeout(f"recv from group rank {src} (tag {tag}) got nothing "
-                                    f"within {self.timeout:g} s")
-            self._p2p_failed(self._ranks[src], err)
-            raise err from None
+            frame = await t.recv(key)
         except asyncio.CancelledError:
+            if watchdog.expired(task):
+                err = CollectiveTimeout(f"recv from group rank {src} (tag {tag}) got nothing "
+                                        f"within {self.timeout:g} s")
+                self._p2p_failed(self._ranks[src], err)
+                raise err from None
             t.abort(CollectiveError(f"recv on group rank {self._rank} was cancelled"))
             raise
+        finally:
+            watchdog.unwatch(task)
         h = frame.header
         assert h.dtype is not None and h.shape is not None
         return array_view(frame.payload, h.dtype, h.shape)

@@ -9,6 +9,7 @@ instead of a frozen test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -389,6 +390,98 @@ async def test_recv_without_send_times_out(backend, world_size):
     results = await guarded(fn, world_size, backend, timeout=0.5)
     assert isinstance(results[1].error, CollectiveTimeout), results[1].error
     assert 0.4 <= results[1].elapsed <= 1.5
+
+
+async def test_watchdog_waits_while_bytes_move_and_fires_once_they_stop() -> None:
+    """The timeout is one of no progress: a call whose transport keeps receiving is not
+    cancelled however long it runs; once the bytes stop, it is within (1 + 1/CHECKS) x the
+    timeout. (Unit test of the watchdog, with a stand-in transport.)"""
+    from asynccoll.collectives import _Watchdog
+
+    class Counters:
+        bytes_received = 0
+        received_from = [0, 0]
+
+        def unsent_bytes(self, dst: int | None = None) -> int:
+            return 0
+
+    counters = Counters()
+    dog = _Watchdog(counters)  # type: ignore[arg-type]
+    timeout = 0.1
+
+    async def call() -> None:
+        dog.watch(dog.current_task(), timeout)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            assert dog.expired(dog.current_task())
+            raise
+        finally:
+            dog.unwatch(dog.current_task())
+
+    async def stream(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            counters.bytes_received += 1
+            await asyncio.sleep(0.01)
+
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(call())
+    await stream(0.5)  # five timeouts' worth of progress
+    assert not task.done()
+    stopped = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    now = time.monotonic()
+    assert stopped - t0 >= 0.45
+    assert timeout * 0.9 <= now - stopped <= timeout * (1 + 1 / _Watchdog.CHECKS) + 0.1
+
+
+async def test_a_long_transfer_that_keeps_moving_does_not_time_out() -> None:
+    """A 128 MiB all_reduce between two TCP ranks takes longer than a 50 ms timeout, but
+    bytes keep moving: it completes, correct."""
+    async def fn(comm: Communicator) -> float:
+        x = np.full(32 << 20, comm.rank + 1, np.float32)
+        t0 = time.monotonic()
+        await comm.all_reduce(x)
+        assert x[0] == 3 and x[-1] == 3
+        return time.monotonic() - t0
+
+    await guarded(fn, 2, "tcp", timeout=0.05)
+
+
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+async def test_recv_from_a_silent_peer_times_out_while_another_streams(backend: str) -> None:
+    """A point-to-point receive counts only its own peer's bytes as progress: another rank
+    sending to the same rank all along does not keep it waiting."""
+    timeout = 0.3
+
+    async def fn(comm: Communicator) -> Outcome | None:
+        if comm.rank == 1:
+            await asyncio.sleep(2 * timeout + PROMPT)  # never sends
+            return None
+        if comm.rank == 2:
+            with contextlib.suppress(CollectiveError):
+                for _ in range(100):
+                    await comm.send(np.ones(1000), 0, tag=5)
+                    await asyncio.sleep(0.01)
+            return None
+
+        async def drain() -> None:
+            with contextlib.suppress(CollectiveError):
+                for _ in range(100):
+                    await comm.recv(2, tag=5)
+
+        drainer = asyncio.ensure_future(drain())
+        res = await outcome(comm.recv(1, tag=3))
+        drainer.cancel()
+        await asyncio.gather(drainer, return_exceptions=True)
+        return res
+
+    results = await guarded(fn, 3, backend, timeout=timeout)
+    res = results[0]
+    assert isinstance(res.error, CollectiveTimeout), res.error
+    assert timeout * 0.9 <= res.elapsed <= timeout * 1.25 + PROMPT, res.elapsed
 
 
 # ------------------------------------------------------------- failures and cancellation

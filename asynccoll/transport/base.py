@@ -472,6 +472,12 @@ class Transport(abc.ABC):
         self._closed = False
         #: bytes of payload handed to ``post`` (for accounting, e.g. compression tests)
         self.bytes_sent = 0
+        #: bytes that came in from the peers so far (frames, or parts of frames, as they are
+        #: read): with ``unsent_bytes``, how a collective's watchdog tells a slow transfer,
+        #: which goes on, from one that made no progress
+        self.bytes_received = 0
+        #: the same per world rank of the sender
+        self.received_from = [0] * world_size
         #: whether receives should poll before sleeping (see Tuning.poll_us)
         self.polls = False
         #: whether polling should yield the CPU between polls (more ranks than cores here)
@@ -668,6 +674,11 @@ class Transport(abc.ABC):
             if isinstance(err, PeerLostError):
                 raise PeerLostError(message, rank=err.rank) from err
             raise CollectiveError(message) from err
+
+    def unsent_bytes(self, dst: int | None = None) -> int:
+        """Bytes posted (to world rank ``dst``, or to anyone) but not handed to the network
+        yet (frames waiting to be written); 0 where a post hands everything over at once."""
+        return 0
 
     def check_sendable(self) -> None:
         """Raise if frames can no longer be sent (closed, or the whole world is broken)."""

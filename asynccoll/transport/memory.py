@@ -292,6 +292,9 @@ class MemoryTransport(Transport):
                 raise
         for peer, key, frame in claimed:
             if not peer._closed:
+                nbytes = memoryview(frame.payload).nbytes
+                peer.bytes_received += nbytes
+                peer.received_from[self.rank] += nbytes
                 peer.mailbox.deliver(key, frame)
         return [self.post(dst, head, payload) for dst, head, payload in later]
 
@@ -327,6 +330,8 @@ class MemoryTransport(Transport):
     def _receive(self, head: bytes, payload: memoryview) -> asyncio.Future[None] | None:
         """Decode a frame and hand it to the mailbox."""
         kind, header, payload_len = self._decode(head)
+        self.bytes_received += payload_len
+        self.received_from[header.src] += payload_len
         if kind == FrameKind.ABORT:
             self._on_abort_frame(Frame(kind, header, b""))
             return None

@@ -228,6 +228,7 @@ class _Direct:
             return _GIVE_UP
         if not n:
             return _GIVE_UP
+        self.conn._count(n)
         if got < stop:
             got = self.head_got = got + n
             checked = min(got, size)
@@ -294,6 +295,7 @@ class _Connection(asyncio.BufferedProtocol):
         return self.reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._count(nbytes)
         try:
             if not self.authenticated:
                 self._handshake_bytes(nbytes)
@@ -302,6 +304,13 @@ class _Connection(asyncio.BufferedProtocol):
                 self._on_frame(frame)
         except (ProtocolError, AuthenticationError) as exc:
             self._protocol_failure(exc)
+
+    def _count(self, nbytes: int) -> None:
+        """Count bytes read off this connection (``Transport.bytes_received``)."""
+        owner = self.owner
+        owner.bytes_received += nbytes
+        if self.peer is not None:
+            owner.received_from[self.peer] += nbytes
 
     def _handshake_bytes(self, nbytes: int) -> None:
         """Bytes of a connection still in its handshake. The reader hands them over a frame
@@ -325,6 +334,7 @@ class _Connection(asyncio.BufferedProtocol):
         predict (``head``, see ``BufferedFrameReader.take_staged``): that frame's payload when
         it is the next one and whole, else ``None``; every other frame goes to the mailbox
         as usual."""
+        self._count(nbytes)
         reader = self.reader
         got = None
         try:
@@ -784,6 +794,15 @@ class TcpTransport(Transport):
             return False
         conn.buffer_updated(n)
         return True
+
+    def unsent_bytes(self, dst: int | None = None) -> int:
+        """Bytes the event loop still has to write (its buffers), and those queued behind a
+        dial, to ``dst`` or to anyone."""
+        n = sum(c.transport.get_write_buffer_size() for c in self._open
+                if c.transport is not None and not c.closed and (dst is None or c.peer == dst))
+        return n + sum(len(head) + (payload.nbytes if payload is not None else 0)
+                       for peer, queue in self._queued.items() if dst is None or peer == dst
+                       for head, payload, _ in queue)
 
     def flushed(self) -> bool:
         # O(1): the connections count themselves in and out as the event loop pauses and
