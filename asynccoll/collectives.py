@@ -140,17 +140,14 @@ class _Watchdog:
     #: the timers' resolution (uvloop's): a look this early counts as on time
     SLACK = 1e-3
 
-    __slots__ = ("_armed", "_deadlines", "_expired", "_handle", "_loop", "_transport",
-                 "_windows")
+    __slots__ = ("_armed", "_calls", "_expired", "_handle", "_loop", "_transport")
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        #: per task: when to look at it next
-        self._deadlines: dict[asyncio.Task[Any], float] = {}
-        #: per task: [timeout, the peer of a point-to-point call or -1, bytes received (from
-        #: it) at the last look, unsent bytes (to it) at the last look or -1, when bytes last
-        #: moved (or the call began)]
-        self._windows: dict[asyncio.Task[Any], list[Any]] = {}
+        #: per task: [when to look at it next, timeout, the peer of a point-to-point call or
+        #: -1, bytes received (from it) at the last look, unsent bytes (to it) at the last
+        #: look or -1, when bytes last moved (or the call began)]
+        self._calls: dict[asyncio.Task[Any], list[Any]] = {}
         self._expired: set[asyncio.Task[Any]] = set()
         # the timer and the deadline it is armed for (kept here: uvloop hands back a plain
         # ``Handle``, without ``when()``, for a timer due within its 1 ms resolution)
@@ -174,10 +171,9 @@ class _Watchdog:
         loop = self._loop or asyncio.get_running_loop()
         now = loop.time()
         deadline = now + timeout / self.CHECKS
-        self._deadlines[task] = deadline
         t = self._transport
-        self._windows[task] = [timeout, peer,
-                               t.bytes_received if peer < 0 else t.received_from[peer], -1, now]
+        self._calls[task] = [deadline, timeout, peer,
+                             t.bytes_received if peer < 0 else t.received_from[peer], -1, now]
         if self._handle is None or deadline < self._armed:
             if self._handle is not None:
                 self._handle.cancel()
@@ -185,8 +181,7 @@ class _Watchdog:
             self._armed = deadline
 
     def unwatch(self, task: asyncio.Task[Any]) -> None:
-        self._deadlines.pop(task, None)
-        self._windows.pop(task, None)
+        self._calls.pop(task, None)
         self._expired.discard(task)
 
     def expired(self, task: asyncio.Task[Any]) -> bool:
@@ -203,26 +198,24 @@ class _Watchdog:
         now = loop.time()
         t = self._transport
         earliest = None
-        for task, deadline in list(self._deadlines.items()):
+        for task, call in list(self._calls.items()):
+            deadline, timeout, peer, mark, backlog, since = call
             if deadline <= now:
-                window = self._windows[task]
-                timeout, peer, mark, backlog, since = window
                 received = t.bytes_received if peer < 0 else t.received_from[peer]
                 if received != mark:  # bytes came in
-                    window[2] = received
-                    window[4] = since = now
+                    call[3] = received
+                    call[5] = since = now
                 else:
                     unsent = t.unsent_bytes(None if peer < 0 else peer)
                     if unsent != backlog and (unsent or backlog > 0):  # bytes went out
-                        window[3] = unsent
-                        window[4] = since = now
+                        call[4] = unsent
+                        call[5] = since = now
                 if now >= since + timeout - self.SLACK:  # nothing moved for its timeout
-                    del self._deadlines[task], self._windows[task]
+                    del self._calls[task]
                     self._expired.add(task)
                     task.cancel()
                     continue
-                deadline = min(now + timeout / self.CHECKS, since + timeout)
-                self._deadlines[task] = deadline
+                call[0] = deadline = min(now + timeout / self.CHECKS, since + timeout)
             if earliest is None or deadline < earliest:
                 earliest = deadline
         if earliest is not None:

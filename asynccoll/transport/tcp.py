@@ -228,7 +228,11 @@ class _Direct:
             return _GIVE_UP
         if not n:
             return _GIVE_UP
-        self.conn._count(n)
+        conn = self.conn
+        owner = conn.owner  # the bytes counted, as in _Connection.buffer_updated
+        owner.bytes_received += n
+        if conn.peer is not None:
+            owner.received_from[conn.peer] += n
         if got < stop:
             got = self.head_got = got + n
             checked = min(got, size)
@@ -295,7 +299,10 @@ class _Connection(asyncio.BufferedProtocol):
         return self.reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._count(nbytes)
+        owner = self.owner  # the bytes counted (inline: this runs for every read)
+        owner.bytes_received += nbytes
+        if self.peer is not None:
+            owner.received_from[self.peer] += nbytes
         try:
             if not self.authenticated:
                 self._handshake_bytes(nbytes)
@@ -304,13 +311,6 @@ class _Connection(asyncio.BufferedProtocol):
                 self._on_frame(frame)
         except (ProtocolError, AuthenticationError) as exc:
             self._protocol_failure(exc)
-
-    def _count(self, nbytes: int) -> None:
-        """Count bytes read off this connection (``Transport.bytes_received``)."""
-        owner = self.owner
-        owner.bytes_received += nbytes
-        if self.peer is not None:
-            owner.received_from[self.peer] += nbytes
 
     def _handshake_bytes(self, nbytes: int) -> None:
         """Bytes of a connection still in its handshake. The reader hands them over a frame
@@ -334,7 +334,10 @@ class _Connection(asyncio.BufferedProtocol):
         predict (``head``, see ``BufferedFrameReader.take_staged``): that frame's payload when
         it is the next one and whole, else ``None``; every other frame goes to the mailbox
         as usual."""
-        self._count(nbytes)
+        owner = self.owner  # as in buffer_updated
+        owner.bytes_received += nbytes
+        if self.peer is not None:
+            owner.received_from[self.peer] += nbytes
         reader = self.reader
         got = None
         try:
