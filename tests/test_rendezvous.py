@@ -622,16 +622,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _late_server(port: int) -> RendezvousServer:
+    """A server on ``port`` that starts only after 0.3 s."""
+    await asyncio.sleep(0.3)
+    srv = RendezvousServer(port=port, token=TOKEN)
+    await srv.start()
+    return srv
+
+
 async def test_connect_retries_until_server_starts() -> None:
     port = _free_port()
 
-    async def late_server() -> RendezvousServer:
-        await asyncio.sleep(0.3)
-        srv = RendezvousServer(port=port, token=TOKEN)
-        await srv.start()
-        return srv
-
-    starter = asyncio.create_task(late_server())
+    starter = asyncio.create_task(_late_server(port))
     c = await RendezvousClient.connect("127.0.0.1", port, token=TOKEN, timeout=5)
     srv = await starter
     try:
@@ -657,13 +659,7 @@ async def test_connect_retries_a_host_with_several_addresses(
 
     monkeypatch.setattr(loop, "getaddrinfo", two_addresses)
 
-    async def late_server() -> RendezvousServer:
-        await asyncio.sleep(0.3)
-        srv = RendezvousServer(port=port, token=TOKEN)
-        await srv.start()
-        return srv
-
-    starter = asyncio.create_task(late_server())
+    starter = asyncio.create_task(_late_server(port))
     try:
         async with await RendezvousClient.connect("rendezvous.test", port, token=TOKEN,
                                                   timeout=5) as c:
