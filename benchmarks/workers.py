@@ -51,8 +51,10 @@ def shapes(op: str, nbytes: int, n: int) -> tuple[int, int]:
 
 def report(framework: str, op: str, nbytes: int, n: int, seconds: float,
            probe: float = 0.0) -> None:
-    size = 0 if op == "barrier" else nbytes
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n}.get(op, 1.0)
+    # nccl-tests: the larger of the buffers as moved (all_gather: the gathered output)
+    size = 0 if op == "barrier" else 4 * max(shapes(op, nbytes, n))
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+              "reduce_scatter": (n - 1) / n}.get(op, 1.0)
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
     row = {"framework": framework, "op": op, "ranks": n, "size": size,
            "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor,
@@ -90,9 +92,28 @@ class CoreProbe:
         return best
 
 
-def median_time(fn: Callable[[], Any], iters: int, warmup: int) -> float:
+def verify(framework: str, op: str, n: int, got: Any) -> None:
+    """Check one call's result, every rank's input filled with its rank + 1: all_reduce and
+    reduce_scatter give n(n+1)/2, broadcast from rank 0 gives 1, all_gather rank r's block r + 1."""
+    if op == "barrier":
+        return
+    got = np.asarray(got)
+    if op == "all_gather":
+        want = np.repeat(np.arange(1, n + 1, dtype=np.float32), got.size // n)
+    else:
+        want = np.full(got.size, 1.0 if op == "broadcast" else n * (n + 1) / 2, np.float32)
+    if got.size == 0 or not np.array_equal(got.ravel(), want):
+        raise RuntimeError(f"{framework} {op} of {got.size} float32 over {n} ranks gave a wrong "
+                           "result")
+
+
+def median_time(fn: Callable[[], Any], iters: int, warmup: int,
+                sync: Callable[[], Any] | None = None) -> float:
+    """``warmup`` untimed calls, ``sync()`` (a barrier), then the median of ``iters`` calls."""
     for _ in range(warmup):
         fn()
+    if sync is not None:
+        sync()
     times = []
     for _ in range(iters):
         t = time.perf_counter()
@@ -115,17 +136,25 @@ def run_gloo(args: argparse.Namespace) -> None:
     for op in args.ops:
         for nbytes in (args.sizes if op != "barrier" else [0]):
             cin, cout = shapes(op, nbytes, n)
-            a = torch.zeros(cin, dtype=torch.float32)
-            out = torch.zeros(cout, dtype=torch.float32)
-            call: Callable[[], Any] = {
-                "all_reduce": lambda a=a: dist.all_reduce(a),
-                "all_gather": lambda a=a, out=out: dist.all_gather_into_tensor(out, a),
-                "broadcast": lambda a=a: dist.broadcast(a, 0),
-                "barrier": lambda: dist.barrier(),
-            }[op]
-            dist.barrier()
+
+            def gloo_op(fill: float, op: str = op, cin: int = cin, cout: int = cout
+                        ) -> tuple[Callable[[], Any], torch.Tensor]:
+                a = torch.full((cin,), fill, dtype=torch.float32)
+                out = torch.zeros(cout, dtype=torch.float32)
+                return {
+                    "all_reduce": lambda: dist.all_reduce(a),
+                    "all_gather": lambda: dist.all_gather_into_tensor(out, a),
+                    "broadcast": lambda: dist.broadcast(a, 0),
+                    "barrier": lambda: dist.barrier(),
+                }[op], out if op == "all_gather" else a
+
+            check, got = gloo_op(rank + 1)
+            check()
+            verify("gloo", op, n, got.numpy())
+            call, _ = gloo_op(0.0)
             before = probe()
-            seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup))
+            seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup),
+                                  dist.barrier)
             t = torch.tensor([seconds, max(before, probe())], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rank == 0:
@@ -144,17 +173,27 @@ def run_mpi(args: argparse.Namespace) -> None:
     for op in args.ops:
         for nbytes in (args.sizes if op != "barrier" else [0]):
             cin, cout = shapes(op, nbytes, n)
-            a = np.zeros(cin, np.float32)
-            out = np.zeros(cout, np.float32)
-            call: Callable[[], Any] = {
-                "all_reduce": lambda a=a: comm.Allreduce(MPI.IN_PLACE, a),
-                "all_gather": lambda a=a, out=out: comm.Allgather(a, out),
-                "broadcast": lambda a=a: comm.Bcast(a, 0),
-                "barrier": lambda: comm.Barrier(),
-            }[op]
-            comm.Barrier()
+
+            def mpi_op(fill: float, op: str = op, cin: int = cin, cout: int = cout
+                       ) -> tuple[Callable[[], Any], np.ndarray]:
+                a = np.zeros(cin, np.float32)
+                if fill:
+                    a.fill(fill)
+                out = np.zeros(cout, np.float32)
+                return {
+                    "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, a),
+                    "all_gather": lambda: comm.Allgather(a, out),
+                    "broadcast": lambda: comm.Bcast(a, 0),
+                    "barrier": lambda: comm.Barrier(),
+                }[op], out if op == "all_gather" else a
+
+            check, got = mpi_op(rank + 1)
+            check()
+            verify("mpi", op, n, got)
+            call, _ = mpi_op(0.0)
             before = probe()
-            seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup))
+            seconds = median_time(call, iters_for(nbytes), warmup_for(nbytes, args.warmup),
+                                  comm.Barrier)
             t = np.array([seconds, max(before, probe())])
             comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
             if rank == 0:
@@ -180,13 +219,16 @@ def tuning_fields(items: list[str]) -> dict[str, Any]:
     return fields
 
 
-def asynccoll_op(comm: Any, op: str, nbytes: int) -> Callable[[], Awaitable[Any]]:
+def asynccoll_op(comm: Any, op: str, nbytes: int, fill: float = 0.0
+                 ) -> Callable[[], Awaitable[Any]]:
     """One call of ``op`` (all_reduce, reduce_scatter, all_gather, broadcast from rank 0,
     barrier) on ``comm`` over float32 buffers of ``nbytes`` (reduce_scatter: the input;
     all_gather: the gathered output, written into a preallocated buffer as the peers' are),
-    the buffers allocated once, here."""
+    the buffers allocated once, here, the input filled with ``fill``."""
     cin, cout = shapes(op, nbytes, comm.world_size)
     a = np.zeros(cin, np.float32)
+    if fill:
+        a.fill(fill)
     out = np.zeros(cout, np.float32)
     if op == "all_reduce":
         return lambda: comm.all_reduce(a)
@@ -208,6 +250,7 @@ async def _asynccoll(args: argparse.Namespace) -> None:
     async with comm:
         for op in args.ops:
             for nbytes in (args.sizes if op != "barrier" else [0]):
+                verify("asynccoll", op, n, await asynccoll_op(comm, op, nbytes, comm.rank + 1)())
                 call = asynccoll_op(comm, op, nbytes)
                 before = probe()
                 for _ in range(warmup_for(nbytes, args.warmup)):

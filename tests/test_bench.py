@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,3 +216,76 @@ def test_nccl_overhead_benchmark_parses_its_arguments_without_a_gpu() -> None:
         [sys.executable, str(ROOT / "benchmarks" / "nccl_overhead.py"), "--help"],
         capture_output=True, text=True, timeout=60, env=_env(), check=True)
     assert "--split-hosts" in proc.stdout and "--poll-only" in proc.stdout
+
+
+def _workers():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import workers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return workers
+
+
+def _reported(capsys: pytest.CaptureFixture[str], op: str, nbytes: int, n: int) -> dict:
+    _workers().report("x", op, nbytes, n, 1e-3)
+    return json.loads(capsys.readouterr().out.partition("RESULT ")[2])
+
+
+def test_harness_rows_follow_nccl_tests(capsys: pytest.CaptureFixture[str]) -> None:
+    """algbw = size / time, size the larger of input and output (all_gather: the gathered
+    output as moved; reduce_scatter: the input); busbw = algbw x the op's factor."""
+    for op, nbytes, n, size, factor in [
+            ("all_reduce", 1 << 20, 4, 1 << 20, 1.5), ("broadcast", 1 << 20, 4, 1 << 20, 1.0),
+            ("all_gather", 1 << 20, 4, 1 << 20, 0.75),
+            ("reduce_scatter", 1 << 20, 4, 1 << 20, 0.75),
+            ("all_gather", 8, 4, 16, 0.75),  # one float32 per rank: 16 bytes gathered
+            ("barrier", 0, 2, 0, 1.0)]:
+        row = _reported(capsys, op, nbytes, n)
+        assert row["size"] == size, (op, row)
+        assert row["algbw"] == pytest.approx(size / 1e-3 / 1e9), (op, row)
+        assert row["busbw"] == pytest.approx(row["algbw"] * factor), (op, row)
+
+
+def test_harness_synchronises_between_warmup_and_timed_calls() -> None:
+    """Every framework: untimed calls, a barrier, then the timed calls (as the asynccoll
+    worker and nccl-tests do)."""
+    calls: list[str] = []
+    _workers().median_time(lambda: calls.append("call"), 2, 3, lambda: calls.append("sync"))
+    assert calls == ["call"] * 3 + ["sync"] + ["call"] * 2
+
+
+def test_harness_checks_what_a_collective_produced() -> None:
+    """Each framework's result is checked once per op and size (inputs rank + 1)."""
+    verify = _workers().verify
+    n = 3
+    verify("x", "all_reduce", n, np.full(5, 6.0, np.float32))
+    verify("x", "reduce_scatter", n, np.full(2, 6.0, np.float32))
+    verify("x", "broadcast", n, np.full(5, 1.0, np.float32))
+    verify("x", "all_gather", n, np.repeat(np.arange(1, 4, dtype=np.float32), 2))
+    verify("x", "barrier", n, None)
+    for op, got in [("all_reduce", np.zeros(5, np.float32)),
+                    ("broadcast", np.full(5, 2.0, np.float32)),
+                    ("all_gather", np.repeat(np.arange(3, 0, -1, dtype=np.float32), 2))]:
+        with pytest.raises(RuntimeError, match=f"x {op}"):
+            verify("x", op, n, got)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or shutil.which("mpirun") is None
+                    or importlib.util.find_spec("mpi4py") is None, reason="needs gloo and MPI")
+def test_compare_times_every_framework_on_the_same_rows(tmp_path: Path) -> None:
+    """The three frameworks run (and pass their result checks) on the same rows."""
+    out_json = tmp_path / "rows.json"
+    env = _env()
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "-n", "2",
+         "--ops", "all_reduce,all_gather,broadcast,barrier", "--sizes", "8,64K",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=110, env=env, check=True)
+    rows = json.loads(out_json.read_text())
+    keys = {fw: sorted((r["op"], r["size"]) for r in rows if r["framework"] == fw)
+            for fw in ("asynccoll", "gloo", "mpi")}
+    assert keys["asynccoll"] == keys["gloo"] == keys["mpi"] and len(keys["mpi"]) == 7, \
+        proc.stdout + proc.stderr
