@@ -68,7 +68,8 @@ async def run_local(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
     """Run ``await fn(comm)`` once per rank, concurrently, in this event loop.
 
     Returns the results in rank order. If a rank raises, the others are unblocked (their
-    pending collectives fail) and cancelled, and the first error is re-raised.
+    pending collectives fail) and cancelled, and the first error is re-raised: a
+    ``CancelledError`` that ``fn`` raises itself (not one of cancelling ``run_local``) too.
 
     Args:
         fn: coroutine function taking the rank's ``Communicator``.
@@ -85,7 +86,11 @@ async def run_local(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
         try:
             return await fn(comm)
         except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
+            # a CancelledError is this rank's failure too unless its task was cancelled (by
+            # run_local, or with run_local): fn raised it, or awaited something cancelled
+            task = asyncio.current_task()
+            if not isinstance(exc, asyncio.CancelledError) or (
+                    task is not None and not task.cancelling()):
                 failures.append(exc)
                 comm.transport.abort(CollectiveError(
                     f"rank {comm.rank} raised {type(exc).__name__}: {exc}"))
@@ -93,7 +98,9 @@ async def run_local(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
 
     tasks = [asyncio.create_task(one(c), name=f"asynccoll-rank-{c.rank}") for c in comms]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        pending: set[asyncio.Task[T]] = set(tasks)
+        while pending and not failures:  # a rank ended cancelled fails the world, too
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if failures:
             for t in tasks:
                 t.cancel()

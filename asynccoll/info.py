@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import platform
 import shutil
+import subprocess
 import sys
 
 from ._version import __version__
@@ -41,20 +42,44 @@ def _nccl() -> str:
     return f"available (CuPy {version}, NCCL {nccl_version}, {count} GPU(s))"
 
 
+def _mpi_library() -> str:
+    """The first line of the MPI library's version, without initialising MPI here.
+
+    ``mpi4py.MPI`` initialises MPI when it is imported, unless ``mpi4py.rc`` says not to; and
+    once imported that way it stays uninitialised. So unless this process imported it
+    already, a child process imports it (with ``rc.initialize = False``), leaving this one
+    free to use the mpi backend afterwards.
+
+    Raises:
+        RuntimeError: the child could not load the MPI library (its error as the message).
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        return str(mpi.Get_library_version()).splitlines()[0].strip()
+    code = ("import mpi4py\n"
+            "mpi4py.rc.initialize = False\n"
+            "mpi4py.rc.finalize = False\n"
+            "from mpi4py import MPI\n"
+            "print(MPI.Get_library_version().splitlines()[0].strip())\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise RuntimeError(last)
+    return lines[0]
+
+
 def _mpi() -> str:
     version, why = _probe("mpi4py")
     if version is None:
         return (f"unavailable: mpi4py not importable ({why}); pip install 'asynccoll[mpi]' "
                 f"and an MPI library (e.g. apt-get install openmpi-bin libopenmpi-dev)")
     try:
-        import mpi4py
-
-        # report the library without initialising MPI in this process
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = False
-        from mpi4py import MPI
-
-        library = MPI.Get_library_version().splitlines()[0].strip()
+        library = _mpi_library()
     except Exception as exc:  # mpi4py present but libmpi missing or broken
         return (f"unavailable: mpi4py {version} but no usable MPI library "
                 f"({type(exc).__name__}: {exc})")

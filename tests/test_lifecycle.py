@@ -1,0 +1,96 @@
+"""Lifecycle of ``run_local`` worlds and of the process around them: which error a failed world
+re-raises, and what a call leaves behind for later ones."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import asynccoll
+from asynccoll import Communicator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+@pytest.mark.timeout(30)
+async def test_a_rank_that_raises_cancelled_error_unblocks_the_others(backend: str) -> None:
+    """A CancelledError that ``fn`` raises itself (or gets from awaiting something cancelled)
+    is that rank's failure: the ranks waiting on it are unblocked at once, not after their
+    timeout, and it is what ``run_local`` re-raises."""
+    gone = asyncio.get_running_loop().create_future()
+    gone.cancel()
+
+    async def fn(comm: Communicator) -> int:
+        if comm.rank == 1:
+            await gone  # raises CancelledError, though nobody cancelled this rank
+        await comm.barrier()
+        return comm.rank
+
+    start = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        await asynccoll.run_local(fn, 3, backend, timeout=20.0)
+    assert time.monotonic() - start < 10.0
+
+
+@pytest.mark.timeout(30)
+async def test_a_rank_that_raises_cancelled_error_cancels_ranks_not_in_a_collective() -> None:
+    gone = asyncio.get_running_loop().create_future()
+    gone.cancel()
+    cancelled: list[int] = []
+
+    async def fn(comm: Communicator) -> None:
+        if comm.rank == 0:
+            await gone
+        try:
+            await asyncio.sleep(20)
+        except asyncio.CancelledError:
+            cancelled.append(comm.rank)
+            raise
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asynccoll.run_local(fn, 2), 10)
+    assert cancelled == [1]
+
+
+def _mpi_importable() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _mpi_importable(), reason="mpi4py is not installed")
+@pytest.mark.timeout(90)
+def test_info_report_leaves_mpi_to_initialise_as_usual() -> None:
+    """``asynccoll.info.report()`` in a process that later uses the mpi backend: MPI still
+    initialises when ``mpi4py.MPI`` is imported (report() must not reconfigure mpi4py)."""
+    code = ("import mpi4py\n"
+            "before = (mpi4py.rc.initialize, mpi4py.rc.finalize)\n"
+            "from asynccoll.info import report\n"
+            "line = [ln for ln in report().splitlines() if ln.strip().startswith('mpi')][0]\n"
+            "if 'unavailable' in line:\n"
+            "    print('SKIP', line)\n"
+            "else:\n"
+            "    from mpi4py import MPI\n"
+            "    after = (mpi4py.rc.initialize, mpi4py.rc.finalize)\n"
+            "    print(after == before, MPI.Is_initialized())\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=80, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.stdout.split() == ["True", "True"], proc.stdout + proc.stderr[-4000:]
