@@ -1,9 +1,32 @@
-"""Small asyncio helpers shared by the rendezvous server and the TCP transport."""
+"""Small asyncio helpers shared by the rendezvous server, the transports and ``run_local``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def uncancelled(aw: Awaitable[T]) -> T:
+    """Await ``aw`` to its end even if the caller is cancelled meanwhile, then raise that
+    cancellation: for clean-ups that must not stop halfway (a close cut short leaves sockets
+    and tasks behind, and a second close returns at once). ``aw`` must be bounded."""
+    inner = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(inner)
+            break
+        except asyncio.CancelledError:
+            if inner.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 async def close_server(server: asyncio.Server) -> None:

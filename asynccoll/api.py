@@ -7,7 +7,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from .collectives import Communicator
+from ._aio import uncancelled
+from .collectives import Communicator, check_timeout
 from .errors import CollectiveError
 from .tuning import Tuning
 
@@ -45,6 +46,7 @@ async def local_world(world_size: int, backend: str = "memory", *, timeout: floa
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_timeout(timeout)  # before anything is opened
     gpu_staging = bool(options.pop("gpu_staging", False))
     if backend == "memory":
         if options:
@@ -111,8 +113,12 @@ async def run_local(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for c in comms:
-            await c.close()
+        await uncancelled(_close_all(comms))  # every one, even if run_local is cancelled now
+
+
+async def _close_all(comms: list[Communicator]) -> None:
+    for c in comms:
+        await c.close()
 
 
 async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int | None = None,

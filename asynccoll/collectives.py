@@ -119,6 +119,16 @@ def _unpack_object(a: np.ndarray) -> Any:
 
 # ----------------------------------------------------------------------------- communicator
 
+def check_timeout(timeout: object) -> float:
+    """``timeout`` as seconds: a number >= 0 (``inf``: none)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float | np.integer
+                                                    | np.floating):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not float(timeout) >= 0:  # NaN too
+        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    return float(timeout)
+
+
 class _Watchdog:
     """Cancels collectives (and point-to-point calls) that make no progress for their timeout.
 
@@ -183,6 +193,13 @@ class _Watchdog:
     def unwatch(self, task: asyncio.Task[Any]) -> None:
         self._calls.pop(task, None)
         self._expired.discard(task)
+
+    def stop(self) -> None:
+        """Forget every call and the timer (the communicator closed: its calls ended)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._calls.clear()
 
     def expired(self, task: asyncio.Task[Any]) -> bool:
         """Whether the watchdog cancelled ``task`` (then it withdraws that cancellation)."""
@@ -249,7 +266,7 @@ class Communicator:
         self._children = 0
         self._closed = False
         self._owns_transport = owns_transport
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         self._watchdog = _Watchdog(transport)
         self.tuning = tuning if tuning is not None else Tuning()  # also starts self._plans
         self.backend = backend
@@ -802,6 +819,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._watchdog.stop()
         if self._owns_transport:
             await self._transport.close()
 

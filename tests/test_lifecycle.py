@@ -94,3 +94,48 @@ def test_info_report_leaves_mpi_to_initialise_as_usual() -> None:
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout.strip())
     assert proc.stdout.split() == ["True", "True"], proc.stdout + proc.stderr[-4000:]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+@pytest.mark.timeout(60)
+async def test_cancelling_a_tcp_world_while_it_forms_leaks_nothing() -> None:
+    """``run_local(..., "tcp")`` cancelled while its ranks connect: the ranks formed so far,
+    their listeners and the rendezvous server are closed, and no task is left pending."""
+    async def fn(comm: Communicator) -> int:
+        return comm.rank
+
+    await asynccoll.run_local(fn, 3, "tcp")  # whatever the first world opens for good
+    before = _open_fds()
+    for i in range(30):
+        task = asyncio.ensure_future(asynccoll.run_local(fn, 3, "tcp"))
+        await asyncio.sleep(0.001 * (i % 6))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0.2)
+    assert _open_fds() <= before
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert not others, others
+
+
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, None, "5"])
+async def test_a_bad_timeout_is_refused(backend: str, timeout: object) -> None:
+    async def fn(comm: Communicator) -> None:
+        raise AssertionError("no world should form")
+
+    with pytest.raises((TypeError, ValueError), match="timeout"):
+        await asynccoll.run_local(fn, 2, backend, timeout=timeout)  # type: ignore[arg-type]
+
+
+async def test_a_closed_communicator_keeps_no_timer() -> None:
+    """The watchdog's timer goes with the communicator (no world kept alive by it)."""
+    async def fn(comm: Communicator) -> Communicator:
+        await comm.barrier()
+        return comm
+
+    for comm in await asynccoll.run_local(fn, 2, "memory", timeout=600):
+        assert comm._watchdog._handle is None  # run_local closed it

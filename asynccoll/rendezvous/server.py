@@ -180,11 +180,15 @@ class RendezvousServer:
         ready: asyncio.Future[None] = loop.create_future()
         self._supervisor = asyncio.create_task(self._supervise(ready),
                                                name="asynccoll-rendezvous-server")
-        await ready
         host, port = self._bind
         try:
-            self._server = await asyncio.start_server(self._on_connect, host, port)
-        except BaseException:
+            await ready
+            # not serving yet: cancelled in start_server's own turn after binding, the
+            # listening socket would be lost to close()
+            self._server = await asyncio.start_server(self._on_connect, host, port,
+                                                      start_serving=False)
+            await self._server.start_serving()
+        except BaseException:  # cannot bind, or cancelled: nothing is left running
             await self.close()
             raise
         sockname = self._server.sockets[0].getsockname()
@@ -196,7 +200,8 @@ class RendezvousServer:
     async def _supervise(self, ready: asyncio.Future[None]) -> None:
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
-            ready.set_result(None)
+            if not ready.done():  # (cancelled with the start that awaited it)
+                ready.set_result(None)
             # Lives until close() cancels it; the task group then cancels every connection.
             await asyncio.get_running_loop().create_future()
 

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from .._aio import uncancelled
 from ..errors import (
     CollectiveError,
     CommunicatorClosedError,
@@ -716,4 +717,4 @@ class Transport(abc.ABC):
         if self.mailbox.error is None:
             self.mailbox.fail(CommunicatorClosedError("the communicator was closed"))
         self.scratch.clear()
-        await self._close()
+        await uncancelled(self._close())  # (a close cut short would leak its connections)

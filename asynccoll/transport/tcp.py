@@ -57,7 +57,7 @@ import numpy as np
 
 from .._aio import close_server, wait_server_closed
 from ..algorithms import POLL_READS, power_of_two_fold
-from ..collectives import Communicator
+from ..collectives import Communicator, check_timeout
 from ..errors import (
     AuthenticationError,
     CollectiveError,
@@ -608,8 +608,11 @@ class TcpTransport(Transport):
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting peer connections; returns the bound (host, port)."""
+        # not serving yet: create_server's own turn of the loop after binding would, if
+        # cancelled there, lose the listening socket (close() would not know it)
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True)
+            lambda: _Connection(self), host, port, reuse_address=True, start_serving=False)
+        await self._server.start_serving()
         sockname = self._server.sockets[0].getsockname()
         return sockname[0], sockname[1]
 
@@ -658,8 +661,10 @@ class TcpTransport(Transport):
         """Why nothing can be sent to ``dst`` any more (lost, or closed its communicator)."""
         return self.mailbox._lost.get(dst) or self._gone.get(dst)
 
-    def _dial_done(self, dst: int, _fut: object) -> None:
+    def _dial_done(self, dst: int, fut: asyncio.Future[_Connection]) -> None:
         self._dialing.pop(dst, None)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: whoever awaits it raises it, if anyone still does
 
     async def _dial(self, dst: int) -> _Connection:
         lost = self._unreachable(dst)
@@ -1164,6 +1169,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     if rank is None or world_size is None:
         raise ValueError("rank and world_size must be given (arguments, ASYNCCOLL_RANK/RANK and "
                          "ASYNCCOLL_WORLD_SIZE/WORLD_SIZE); start processes with `asynccoll run`")
+    check_timeout(timeout)  # before anything is opened
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     addr = addr or _env("ASYNCCOLL_ADDR", "MASTER_ADDR") or "127.0.0.1"
@@ -1242,6 +1248,7 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
     rendezvous ``client``, and waits for every other rank's address. ``job`` (distinct per
     generation) makes the handshake refuse connections from another generation's transports.
     """
+    check_timeout(timeout)  # before anything is opened
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     if bind is None:
@@ -1279,15 +1286,21 @@ async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
 
     server = RendezvousServer("127.0.0.1", 0, token=token)
     await server.start()
+    ranks = [asyncio.ensure_future(tcp_init(
+        rank=r, world_size=world_size, addr="127.0.0.1", port=server.port, timeout=timeout,
+        token=token, tuning=tuning, host_rendezvous=False, max_payload=max_payload,
+        peer_loss=peer_loss)) for r in range(world_size)]
     try:
-        comms = await asyncio.gather(*(
-            tcp_init(rank=r, world_size=world_size, addr="127.0.0.1", port=server.port,
-                     timeout=timeout, token=token, tuning=tuning, host_rendezvous=False,
-                     max_payload=max_payload, peer_loss=peer_loss)
-            for r in range(world_size)), return_exceptions=True)
-    except BaseException:
+        await asyncio.wait(ranks)
+    except BaseException:  # cancelled while forming: the ranks formed so far are closed too
+        for task in ranks:
+            task.cancel()
+        for c in await asyncio.gather(*ranks, return_exceptions=True):
+            if isinstance(c, Communicator):
+                await c.close()
         await server.close()
         raise
+    comms = [task.exception() or task.result() for task in ranks]
     failed = [c for c in comms if isinstance(c, BaseException)]
     good = [c for c in comms if isinstance(c, Communicator)]
     if failed:
