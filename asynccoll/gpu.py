@@ -224,10 +224,14 @@ class HostStaged(DelegatingCommunicator):
     async def all_gather(self, array: Any, *, out: Any = None) -> Any:
         if not is_device_array(array):
             return await self._inner.all_gather(array, out=out)
+        if out is not None:  # checked before anything is sent, as the inner one checks
+            check_device_array(out, "out")
+            if out.dtype != array.dtype or out.shape[1:] != array.shape[1:]:
+                raise ValueError(f"out must have dtype {array.dtype} and shape (rows, "
+                                 f"*{array.shape[1:]}), got {out.dtype} {out.shape}")
         got = await self._inner.all_gather(to_host(array))
         if out is None:
             return to_device(got, array)
-        check_device_array(out, "out")
         if out.shape != got.shape or out.dtype != got.dtype:
             raise ValueError(f"out must be {got.dtype} {got.shape}, got {out.dtype} {out.shape}")
         out.set(got)
@@ -240,13 +244,14 @@ class HostStaged(DelegatingCommunicator):
         return None if got is None else [to_device(x, array) for x in got]
 
     async def scatter(self, arrays: Sequence[Any] | None, root: int = 0) -> Any:
-        if arrays is None or not any(is_device_array(x) for x in arrays):
+        if (arrays is None or self.rank != root  # ignored off root (API.md)
+                or not any(is_device_array(x) for x in arrays)):
             return await self._inner.scatter(arrays, root)
         device = next(x for x in arrays if is_device_array(x))
         host = [to_host(x, f"arrays[{j}]") if is_device_array(x) else x
                 for j, x in enumerate(arrays)]
         got = await self._inner.scatter(host, root)
-        return to_device(got, device) if self.rank == root else got
+        return to_device(got, device)
 
     async def all_to_all(self, arrays: Sequence[Any]) -> list[Any]:
         if arrays is None or not any(is_device_array(x) for x in arrays):

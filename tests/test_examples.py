@@ -151,3 +151,18 @@ def test_every_example_is_run_by_a_test() -> None:
         runners = [name for name, text in tests.items()
                    if f"examples/{example.name}" in text or f'"{example.name}"' in text]
         assert runners, f"no test runs examples/{example.name}"
+
+
+def test_quickstart_local_prints_what_getting_started_shows() -> None:
+    """``python examples/quickstart.py --local 3`` (the launcher's run is test_launcher's):
+    docs/getting_started.md says it prints the same lines as the processes do."""
+    res = subprocess.run([sys.executable, "examples/quickstart.py", "--local", "3"], cwd=REPO,
+                         env=clean_env(), capture_output=True, text=True, timeout=60,
+                         check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    doc = (REPO / "docs" / "getting_started.md").read_text("utf-8")
+    shown = re.findall(r"^\[\d\] (rank \d/3 .*)$", doc, flags=re.MULTILINE)
+    assert len(shown) > 10, shown
+    for line in shown:
+        assert line in out.splitlines(), (line, out)

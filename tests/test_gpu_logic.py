@@ -387,3 +387,50 @@ def test_a_send_refused_for_its_array_sends_nothing(fake: Any) -> None:
     got = run_nccl(fn, world_size=2)
     assert got[1][0], "the CuPy array arrived as NumPy: a refused send's flag went out"
     np.testing.assert_array_equal(got[1][1], np.arange(3.0))
+
+
+def test_host_staged_all_gather_checks_out_before_anything_is_sent(fake: Any) -> None:
+    """API.md: a bad array is an error raised before anything is sent. A CuPy ``out`` that
+    cannot take the result (not a CuPy array, not C-contiguous, another dtype or trailing
+    shape) must be refused before the inner communicator gathers anything."""
+    async def fn(comm: Any) -> Any:
+        sent: list[Any] = []
+        inner = comm.inner
+        real = inner.all_gather
+
+        async def spy(array: Any, *, out: Any = None) -> Any:
+            sent.append(array)
+            return await real(array, out=out)
+
+        inner.all_gather = spy
+        a = dev(fake, np.ones((2, 3)))
+        bad = [(np.empty((2, 3)), TypeError),
+               (dev(fake, np.empty((2, 6)))[:, ::2], TypeError),
+               (dev(fake, np.empty((2, 3), np.float32)), ValueError),
+               (dev(fake, np.empty((2, 4))), ValueError)]
+        for out, err in bad:
+            with pytest.raises(err):
+                await comm.all_gather(a, out=out)
+        assert sent == [], "all_gather ran before its out was checked"
+        good = dev(fake, np.zeros((2, 3)))
+        assert await comm.all_gather(a, out=good) is good
+        return good.get()
+
+    got = asyncio.run(asynccoll.run_local(fn, 1, "memory", gpu_staging=True))
+    np.testing.assert_array_equal(got[0], np.ones((2, 3)))
+
+
+def test_host_staged_scatter_ignores_arrays_off_root(fake: Any) -> None:
+    """API.md: ``arrays`` is ignored off root. A non-root's list must not be copied or
+    checked: a TypeError there, and not on root, would leave root's scatter waiting."""
+    async def fn(comm: Any) -> Any:
+        r = comm.rank
+        parts = ([dev(fake, np.array([10.0 * j])) for j in range(W)] if r == 0 else
+                 [dev(fake, np.arange(6.0))[::2]] * W)     # ignored: not even valid
+        got = await comm.scatter(parts, root=0)
+        return got.get() if is_device_array(got) else got
+
+    got = asyncio.run(asyncio.wait_for(
+        asynccoll.run_local(fn, W, "memory", gpu_staging=True, timeout=5.0), 20))
+    for r, o in enumerate(got):
+        np.testing.assert_array_equal(o, [10.0 * r])
