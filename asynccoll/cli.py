@@ -55,6 +55,8 @@ class _Launcher:
         self.procs: list[asyncio.subprocess.Process] = []
         self.first_failure: tuple[int, int] | None = None
         self.stopping = False
+        #: a Ctrl-C (or SIGTERM, SIGHUP) arrived: the ranks it stops are not replaced
+        self.interrupted = False
         #: sys.stdout / sys.stderr once whoever reads them has gone (a broken pipe)
         self.closed_outputs: set[Any] = set()
 
@@ -129,7 +131,7 @@ class _Launcher:
         elif self.elastic is not None and not self.stopping:
             # elastic: the others re-form without it; a replacement joins if restarts are left
             log.warning("rank %d exited with %s; the others go on", rank, code)
-            if self.restarts_left > 0:
+            if self.restarts_left > 0 and not self.interrupted:
                 self.restarts_left -= 1
                 label = len(self.procs)
                 sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
@@ -186,6 +188,7 @@ class _Launcher:
             if interrupted.is_set():  # second Ctrl-C: no more patience
                 self._signal_all(signal.SIGKILL)
             interrupted.set()
+            self.interrupted = True
             self._signal_all(signal.SIGINT)
 
         # (SIGHUP: the terminal went away; the ranks, in sessions of their own, would not know)

@@ -12,10 +12,11 @@ Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezv
 
 - ``elastic/round``: the newest generation number (decimal).
 - ``elastic/G/joined``: a counter; a process joining generation G takes the next index ``i``
-  and writes its record (id, previous generation and rank) to ``elastic/G/m/i``.
+  and writes its record (id, previous generation, rank and world size) to ``elastic/G/m/i``.
 - ``elastic/G/closed``: the generation's roster (member ids in rank order), written once by
-  compare-and-set, by whichever member first sees that ``max_nodes`` joined, or that at least
-  ``min_nodes`` joined and nobody else for ``settle`` seconds. Survivors of the previous
+  compare-and-set, by whichever member first sees that ``max_nodes`` joined, every member of
+  the previous generation among them, or that at least ``min_nodes`` joined and nobody else
+  for ``settle`` seconds. Survivors of the previous
   generation come first, in their old rank order (so rank 0 stays rank 0 if it lives), then
   newcomers in joining order.
 - ``elastic/G/addr/R``: the address rank R listens on in generation G.
@@ -171,7 +172,8 @@ class ElasticGroup:
         if self._joined != g:
             index = await c.add(f"{base}/joined", 1) - 1
             record = {"id": self.id, "gen": prev.number if prev else -1,
-                      "rank": prev.rank if prev else -1}
+                      "rank": prev.rank if prev else -1,
+                      "size": prev.world_size if prev else 0}
             await c.set(f"{base}/m/{index}", json.dumps(record))
             self._joined = g
         last_n, last_change = -1, time.monotonic()
@@ -193,8 +195,11 @@ class ElasticGroup:
             now = time.monotonic()
             if n != last_n:
                 last_n, last_change = n, now
-            if n >= self.max_nodes or (n >= self.min_nodes and now - last_change >= self.settle):
-                roster = await self._close(g, min(n, self.max_nodes))
+            # full: close at once, but only once every member of the previous generation is
+            # in (newcomers that came first must not push a survivor out); else after settle
+            if ((n >= self.min_nodes and now - last_change >= self.settle)
+                    or (n >= self.max_nodes and self._survivors_in(await self._records(g, n)))):
+                roster = await self._close(g, n)
                 break
             if now > deadline:
                 raise RendezvousError(f"elastic generation {g}: {n} of at least "
@@ -216,14 +221,27 @@ class ElasticGroup:
         return Generation(g, roster.index(self.id), len(roster), tuple(roster),
                           tuple(m for m in roster if m not in old))
 
-    async def _close(self, g: int, n: int) -> list[str]:
+    async def _records(self, g: int, n: int) -> list[dict[str, Any]]:
         base = f"{PREFIX}/{g}"
-        records = [json.loads(await self.client.get(f"{base}/m/{i}", timeout=self.timeout))
-                   for i in range(n)]
+        return [json.loads(await self.client.get(f"{base}/m/{i}", timeout=self.timeout))
+                for i in range(n)]
+
+    @staticmethod
+    def _survivors_in(records: list[dict[str, Any]]) -> bool:
+        """Whether every member of the newest previous generation among ``records`` joined."""
+        newest = max(r["gen"] for r in records)
+        if newest < 0:
+            return True
+        ours = [r for r in records if r["gen"] == newest]
+        return len(ours) >= ours[0].get("size", 0)
+
+    async def _close(self, g: int, n: int) -> list[str]:
+        """Close generation ``g`` with the best ``max_nodes`` of its first ``n`` joiners."""
+        records = await self._records(g, n)
         order = sorted(range(n), key=lambda i: (records[i]["gen"] < 0, -records[i]["gen"],
                                                 records[i]["rank"], i))
-        roster = [records[i]["id"] for i in order]
-        _, value = await self.client.compare_set(f"{base}/closed", None,
+        roster = [records[i]["id"] for i in order[:self.max_nodes]]
+        _, value = await self.client.compare_set(f"{PREFIX}/{g}/closed", None,
                                                  json.dumps(roster).encode())
         return list(json.loads(value))
 

@@ -84,3 +84,40 @@ def test_launcher_restarts_a_failed_worker(reaper: Callable[..., Proc]) -> None:
     assert re.search(r"\[3\] WORLD gen=\d+ size=3", out), out      # the replacement joined
     got = finals(out)
     assert len(got) == 3 and len({d for _, _, d in got}) == 1, out
+
+
+@pytest.mark.timeout(120)
+def test_two_join_at_once_into_a_full_world_keep_every_survivor(
+        reaper: Callable[..., Proc]) -> None:
+    # 3 running, --max-nodes 4, two processes ask to join together: the new generation must
+    # keep all three survivors (they come first) and take one newcomer; the other waits as a
+    # spare. No survivor may be left out because newcomers reached the store first.
+    port, token, steps = free_fixed_port(), "elastic-test", 500
+    common = ["--steps", str(steps), "--step-delay", "0.02", "--settle", "0.3",
+              "--commit-every", "10", "--timeout", "10"]
+    job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "4", "--port",
+                          str(port), "--token", token, EXAMPLE, *common))
+    assert job.wait_for(has(r"STEP 50 "), 60), job.output
+    env = clean_env(ASYNCCOLL_RENDEZVOUS=f"127.0.0.1:{port}", ASYNCCOLL_TOKEN=token,
+                    ASYNCCOLL_MIN_NODES="2", ASYNCCOLL_MAX_NODES="4")
+    newcomers = [reaper([sys.executable, EXAMPLE, *common], env) for _ in range(2)]
+    assert job.finish(90) == 0, job.output + "".join(p.output for p in newcomers)
+    out = job.output
+    got = finals(out)
+    assert len(got) == 3, out                       # every survivor trained to the end
+    assert all(s == steps for s, _, _ in got), got
+    assert "exited with code" not in out, out
+    assert re.search(r"WORLD gen=\d+ size=4", out), out
+    codes = sorted(p.finish(60) for p in newcomers)
+    assert codes[0] == 0, "".join(p.output for p in newcomers)   # one newcomer got the place
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_starts_no_replacements(reaper: Callable[..., Proc]) -> None:
+    # the ranks a Ctrl-C stops have not failed: --max-restarts must not replace them
+    job = reaper(launcher("-n", "2", "--elastic", "--max-restarts", "2", EXAMPLE,
+                          "--steps", "100000", "--step-delay", "0.01", "--settle", "0.3"))
+    assert job.wait_for(has(r"STEP 50 "), 40), job.output
+    os.kill(job.popen.pid, signal.SIGINT)
+    assert job.finish(30) == 130, job.output
+    assert "replacement" not in job.output, job.output
