@@ -7,7 +7,8 @@ than hang).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,17 +142,40 @@ class Tuning:
     reduce_on_read_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
+        # every field but direct_all_reduce is an integer: NumPy integers are taken (and
+        # stored as int), floats, strings, None and bools are not (True is no byte count)
+        for f in fields(self):
+            if f.name == "direct_all_reduce":
+                continue
+            value = getattr(self, f.name)
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                number = operator.index(value)
+            except TypeError:
+                raise TypeError(f"Tuning.{f.name} must be an int, got "
+                                f"{type(value).__name__} {value!r}") from None
+            object.__setattr__(self, f.name, number)
+        # segment and chunk sizes and counts: an empty one would never make progress
         for name in ("segment_bytes", "min_segment_bytes", "ring_segments",
                      "chain_segment_bytes", "crowded_segment_bytes", "direct_segment_bytes",
                      "reduce_chunk_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name in ("spin_us", "spin_max_bytes", "hand_over_bytes", "reduce_on_read_bytes"):
+                raise ValueError(f"Tuning.{name} must be >= 1, got {getattr(self, name)}")
+        # times and sizes where 0 means off (or always); thresholds compared with a size
+        # (small_bytes, chain_broadcast_bytes, crowded_chain_broadcast_bytes,
+        # direct_all_gather_ranks) may be negative: -1 means "never" (see RING)
+        for name in ("poll_us", "poll_max_bytes", "spin_us", "spin_max_bytes",
+                     "hand_over_bytes", "offload_bytes", "reduce_on_read_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+                raise ValueError(f"Tuning.{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.direct_all_reduce, str):
+            raise TypeError(f"Tuning.direct_all_reduce must be a str, got "
+                            f"{type(self.direct_all_reduce).__name__} "
+                            f"{self.direct_all_reduce!r}")
         if self.direct_all_reduce not in ("lending", "always", "never"):
-            raise ValueError(f"direct_all_reduce must be 'lending', 'always' or 'never', "
-                             f"got {self.direct_all_reduce!r}")
+            raise ValueError(f"Tuning.direct_all_reduce must be 'lending', 'always' or "
+                             f"'never', got {self.direct_all_reduce!r}")
 
     def all_reduce(self, nbytes: int, world_size: int, *, lends: bool = False) -> str:
         """The algorithm; ``lends``: the transport lends payloads in place (memory)."""
