@@ -307,3 +307,48 @@ async def test_work_of_no_bytes_returns_at_once() -> None:
     assert calls == []
     for t in world.transports:
         await t.close()
+
+
+async def test_a_cancelled_ranks_buffers_are_not_written_after_it_returns() -> None:
+    """A peer's worker job copies its reduced block into the cancelled rank's array: the
+    cancellation must stop it (and wait for its running chunk) before returning."""
+    n = 1 << 21  # 16 MiB of float64: blocks of 8 MiB, 8 chunks per job
+    world = MemoryWorld(2, threads=2)
+    comms = [Communicator(t, timeout=10) for t in world.transports]
+    loop = asyncio.get_running_loop()
+    started = asyncio.Event()
+    real = np.add
+
+    def slow_add(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread().name.startswith("asynccoll-memory"):
+            loop.call_soon_threadsafe(started.set)
+            time.sleep(0.01)
+        return real(*args, **kw)
+
+    async def victim(comm: Communicator) -> str:
+        a = np.ones(n)
+        task = asyncio.ensure_future(comm.all_reduce(a))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        a[:] = -1.0  # reused at once
+        await asyncio.sleep(0.3)
+        return "intact" if (a == -1.0).all() else f"overwritten: {(a != -1).sum()}"
+
+    async def other(comm: Communicator) -> str:
+        try:
+            await comm.all_reduce(np.ones(n))
+        except asynccoll.CollectiveError:
+            return "failed"
+        return "returned"
+
+    ops._UFUNCS[ReduceOp.SUM] = slow_add  # type: ignore[assignment]
+    try:
+        results = await asyncio.wait_for(asyncio.gather(other(comms[0]), victim(comms[1])), 20)
+    finally:
+        ops._UFUNCS[ReduceOp.SUM] = real
+        for c in comms:
+            await c.close()
+    assert results == ["failed", "intact"]
+    assert not _memory_threads()

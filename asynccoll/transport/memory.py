@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PeerLostError, ProtocolError
+from ..errors import CollectiveError, PeerLostError, ProtocolError
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     PREFIX_SIZE,
@@ -61,7 +62,7 @@ def _cores() -> int:
 class _Job:
     """One ``compute_and_post`` call's work: ``left`` chunks to go, then ``future`` is set."""
 
-    __slots__ = ("cancelled", "error", "future", "left", "loop")
+    __slots__ = ("busy", "cancelled", "claims", "error", "future", "left", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, left: int) -> None:
         self.loop = loop
@@ -69,6 +70,9 @@ class _Job:
         self.left = left
         self.error: BaseException | None = None
         self.cancelled = False  # the caller gave up: chunks not started are skipped
+        self.busy = 0  # chunks running now (changed under _Workers._lock)
+        #: the receives its chunks copy into: (receiver, key)
+        self.claims: list[tuple[MemoryTransport, Key]] = []
 
     def do(self, unit: Callable[[], None]) -> None:
         """Run one of the job's chunks, unless the job failed or was given up."""
@@ -162,11 +166,13 @@ class _Workers:
             finished = None
             with lock:
                 if job is not None:
+                    job.busy -= 1
                     job.left -= 1
                     if job.left == 0:
                         finished = job
                 if queue:
                     job, unit = queue.popleft()
+                    job.busy += 1
                 else:
                     self._running -= 1
                     job = None
@@ -240,6 +246,8 @@ class MemoryTransport(Transport):
         self._world = world
         self.lends = True
         self._memo = HeaderMemo()  # as a socket reader has, one per receiving end
+        #: peers' compute jobs that copy into receives this rank posted
+        self._writers: set[_Job] = set()
 
     async def compute_and_post(self, work: Sequence[Work], chunk: int
                                ) -> list[asyncio.Future[None] | None]:
@@ -280,6 +288,9 @@ class MemoryTransport(Transport):
                 unit()
         else:
             job = workers.run(units)
+            job.claims = [(peer, key) for peer, key, _ in claimed]
+            for peer, _ in job.claims:
+                peer._writers.add(job)
             try:
                 await asyncio.shield(job.future)
             except asyncio.CancelledError:
@@ -290,6 +301,9 @@ class MemoryTransport(Transport):
                 if job.future.done():
                     job.future.exception()  # retrieved: the cancellation is what is raised
                 raise
+            finally:
+                for peer, _ in job.claims:
+                    peer._writers.discard(job)
         for peer, key, frame in claimed:
             if not peer._closed:
                 nbytes = memoryview(frame.payload).nbytes
@@ -297,6 +311,25 @@ class MemoryTransport(Transport):
                 peer.received_from[self.rank] += nbytes
                 peer.mailbox.deliver(key, frame)
         return [self.post(dst, head, payload) for dst, head, payload in later]
+
+    def abort(self, exc: CollectiveError, *, notify: bool = True,
+              scope: tuple[int, int] | None = None) -> None:
+        super().abort(exc, notify=notify, scope=scope)
+        self._stop_writers(CollectiveError(f"world rank {self.rank} gave up: {exc}"))
+
+    def _stop_writers(self, exc: CollectiveError) -> None:
+        """Fail the peers' jobs that copy into receives this rank gave up (a failed or
+        cancelled collective, or a close), and wait for their chunks that run: the caller
+        may reuse those buffers as soon as this returns."""
+        jobs = [job for job in self._writers
+                if any(peer is self and (self._closed or not self.mailbox._key_allowed(key))
+                       for peer, key in job.claims)]
+        for job in jobs:
+            if job.error is None:
+                job.error = exc  # its chunks not started are skipped
+        deadline = time.monotonic() + JOB_DRAIN_TIMEOUT
+        while any(job.busy for job in jobs) and time.monotonic() < deadline:
+            time.sleep(0.0002)  # at most a chunk (see JOB_DRAIN_TIMEOUT)
 
     def _peer(self, dst: int) -> MemoryTransport:
         peer = self._world.transports[dst]
@@ -364,6 +397,7 @@ class MemoryTransport(Transport):
         for peer in self._world.transports:
             if peer is not self and not peer._closed:
                 peer.mailbox.peer_lost(self.rank, lost)
+        self._stop_writers(lost)
         self._world._rank_closed()
 
 
