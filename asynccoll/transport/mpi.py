@@ -111,6 +111,8 @@ _HEAD_TAG = 1
 _DATA_TAG = 2
 #: tag of MPI_Comm_create_group in new_group
 _GROUP_TAG = 4
+#: what a new_group body returns when the ranks passed different member lists
+_DIFFERENT_MEMBERS = object()
 #: bytes of a signature description exchanged when signatures differ
 _DESCRIBE_BYTES = 240
 
@@ -777,6 +779,8 @@ class MpiCommunicator(Communicator):
         world_ranks = [self._ranks[m] for m in members]
 
         async def body(op: _Op, meta: np.ndarray | None) -> Any:
+            if meta is not None and np.any(meta[:, 1] != meta[me, 1]):
+                return _DIFFERENT_MEMBERS  # raised after the collective: nothing is broken
             comm = await op.stage(0)
             if me not in members:
                 op.issued(0)
@@ -793,7 +797,12 @@ class MpiCommunicator(Communicator):
             self._check_open()
             sub = self._stage_comms[0].Dup()
         else:
-            sub = await self._collective(("new_group", members), body, check=True)
+            # the members travel beside the signature (as a digest), not in it: ranks that
+            # pass different lists raise and keep the communicator, as on the other backends
+            sub = await self._collective(("new_group",), body, check=True, meta=True,
+                                         extra=digest(("new_group", tuple(members))))
+        if sub is _DIFFERENT_MEMBERS:
+            raise CollectiveError("new_group: ranks passed different member lists")
         if sub is None:
             return None
         comms = await _dup_comms(mpi, sub, 3, self.timeout, self._world.check)
