@@ -65,7 +65,7 @@ class _Launcher:
         env.update({
             "ASYNCCOLL_RANK": str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank),
             "ASYNCCOLL_WORLD_SIZE": str(self.n), "WORLD_SIZE": str(self.n),
-            "LOCAL_WORLD_SIZE": str(self.n),
+            "ASYNCCOLL_LOCAL_WORLD_SIZE": str(self.n), "LOCAL_WORLD_SIZE": str(self.n),
             "ASYNCCOLL_ADDR": self.addr, "MASTER_ADDR": self.addr,
             "ASYNCCOLL_PORT": str(rdv_port), "MASTER_PORT": str(rdv_port),
             "ASYNCCOLL_RENDEZVOUS": f"{self.addr}:{rdv_port}",

@@ -1131,7 +1131,7 @@ def _local_ip(client: Any) -> str:
 def _ranks_per_core() -> float:
     """Ranks on this machine per core this rank may run on: at most 1, every rank can have a
     core (so polling steals from no one)."""
-    local = _env("LOCAL_WORLD_SIZE", "ASYNCCOLL_LOCAL_WORLD_SIZE")
+    local = _env("ASYNCCOLL_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE")  # ASYNCCOLL_ wins
     try:
         ranks = int(local) if local is not None else 1
     except ValueError:
