@@ -694,21 +694,8 @@ class Communicator:
         t = self._transport
         head = encode_data_head(FrameKind.P2P, self._group, n, 0, tag, t.rank,
                                 dtype_code(a.dtype), a.shape, None, a.nbytes)
-        watchdog = self._watchdog
-        task = watchdog.current_task()
-        watchdog.watch(task, self.timeout, self._ranks[dst])
-        try:
-            await t.send(self._ranks[dst], head, bytes_view(a))
-        except asyncio.CancelledError:
-            if watchdog.expired(task):
-                err = CollectiveTimeout(f"send to group rank {dst} made no progress within "
-                                        f"{self.timeout:g} s")
-                self._p2p_failed(self._ranks[dst], err)
-                raise err from None
-            t.abort(CollectiveError(f"send on group rank {self._rank} was cancelled"))
-            raise
-        finally:
-            watchdog.unwatch(task)
+        await self._watched_p2p(t.send(self._ranks[dst], head, bytes_view(a)), dst, "send",
+                        f"send to group rank {dst} made no progress within")
 
     async def recv(self, src: int, tag: int = 0) -> np.ndarray:
         """Receive the next array group rank ``src`` sent with ``tag`` (a new array)."""
@@ -721,24 +708,31 @@ class Communicator:
         self._p2p_received[(src, tag)] = n + 1
         t = self._transport
         key = (self._ranks[src], int(FrameKind.P2P), self._group, n, 0, tag)
-        watchdog = self._watchdog
-        task = watchdog.current_task()
-        watchdog.watch(task, self.timeout, self._ranks[src])
-        try:
-            frame = await t.recv(key)
-        except asyncio.CancelledError:
-            if watchdog.expired(task):
-                err = CollectiveTimeout(f"recv from group rank {src} (tag {tag}) got nothing "
-                                        f"within {self.timeout:g} s")
-                self._p2p_failed(self._ranks[src], err)
-                raise err from None
-            t.abort(CollectiveError(f"recv on group rank {self._rank} was cancelled"))
-            raise
-        finally:
-            watchdog.unwatch(task)
+        frame = await self._watched_p2p(t.recv(key), src, "recv",
+                                f"recv from group rank {src} (tag {tag}) got nothing within")
         h = frame.header
         assert h.dtype is not None and h.shape is not None
         return array_view(frame.payload, h.dtype, h.shape)
+
+    async def _watched_p2p(self, op: Awaitable[T], peer: int, what: str, timed_out: str) -> T:
+        """Await a send or recv with group rank ``peer`` under the watchdog (counting that
+        peer's bytes only): ``CollectiveTimeout`` ("``timed_out`` <timeout> s") when it made
+        no progress; a cancellation breaks the world."""
+        watchdog = self._watchdog
+        task = watchdog.current_task()
+        watchdog.watch(task, self.timeout, self._ranks[peer])
+        try:
+            return await op
+        except asyncio.CancelledError:
+            if watchdog.expired(task):
+                err = CollectiveTimeout(f"{timed_out} {self.timeout:g} s")
+                self._p2p_failed(self._ranks[peer], err)
+                raise err from None
+            self._transport.abort(CollectiveError(f"{what} on group rank {self._rank} was "
+                                                  f"cancelled"))
+            raise
+        finally:
+            watchdog.unwatch(task)
 
     def _p2p_failed(self, peer: int, err: CollectiveError) -> None:
         """A point-to-point wait on world rank ``peer`` timed out: break the world, or, where

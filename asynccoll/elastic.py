@@ -177,6 +177,7 @@ class ElasticGroup:
             await c.set(f"{base}/m/{index}", json.dumps(record))
             self._joined = g
         last_n, last_change = -1, time.monotonic()
+        records: list[dict[str, Any]] = []  # the joiners' records, read once each
         while True:
             try:
                 roster = json.loads(await c.get(f"{base}/closed", wait=False))
@@ -197,10 +198,12 @@ class ElasticGroup:
                 last_n, last_change = n, now
             # full: close at once, but only once every member of the previous generation is
             # in (newcomers that came first must not push a survivor out); else after settle
-            if ((n >= self.min_nodes and now - last_change >= self.settle)
-                    or (n >= self.max_nodes and self._survivors_in(await self._records(g, n)))):
-                roster = await self._close(g, n)
-                break
+            settled = n >= self.min_nodes and now - last_change >= self.settle
+            if settled or n >= self.max_nodes:
+                records = await self._records(g, n, records)
+                if settled or self._survivors_in(records):
+                    roster = await self._close(g, records)
+                    break
             if now > deadline:
                 raise RendezvousError(f"elastic generation {g}: {n} of at least "
                                       f"{self.min_nodes} processes joined within "
@@ -221,10 +224,13 @@ class ElasticGroup:
         return Generation(g, roster.index(self.id), len(roster), tuple(roster),
                           tuple(m for m in roster if m not in old))
 
-    async def _records(self, g: int, n: int) -> list[dict[str, Any]]:
+    async def _records(self, g: int, n: int, have: list[dict[str, Any]]
+                       ) -> list[dict[str, Any]]:
+        """The records of generation ``g``'s first ``n`` joiners: ``have`` (the first ones,
+        read before: a record never changes) and those after it."""
         base = f"{PREFIX}/{g}"
-        return [json.loads(await self.client.get(f"{base}/m/{i}", timeout=self.timeout))
-                for i in range(n)]
+        return have + [json.loads(await self.client.get(f"{base}/m/{i}", timeout=self.timeout))
+                       for i in range(len(have), n)]
 
     @staticmethod
     def _survivors_in(records: list[dict[str, Any]]) -> bool:
@@ -235,9 +241,9 @@ class ElasticGroup:
         ours = [r for r in records if r["gen"] == newest]
         return len(ours) >= ours[0].get("size", 0)
 
-    async def _close(self, g: int, n: int) -> list[str]:
-        """Close generation ``g`` with the best ``max_nodes`` of its first ``n`` joiners."""
-        records = await self._records(g, n)
+    async def _close(self, g: int, records: list[dict[str, Any]]) -> list[str]:
+        """Close generation ``g`` with the best ``max_nodes`` of the joiners of ``records``."""
+        n = len(records)
         order = sorted(range(n), key=lambda i: (records[i]["gen"] < 0, -records[i]["gen"],
                                                 records[i]["rank"], i))
         roster = [records[i]["id"] for i in order[:self.max_nodes]]
