@@ -294,6 +294,49 @@ BAD_INPUTS: dict[str, bytes | None] = {
 }
 
 
+def _handshake_frame(kind: FrameKind, meta: dict[str, Any]) -> bytes:
+    return encode_frame_bytes(Frame(kind, FrameHeader(meta=meta), b""))
+
+
+MALFORMED_HANDSHAKES: dict[str, list[bytes]] = {
+    "hello_bad_role": [_handshake_frame(FrameKind.HELLO, {
+        "role": "admin", "rank": 0, "nonce": bytes(32), "job": ""})],
+    "hello_short_nonce": [_handshake_frame(FrameKind.HELLO, {
+        "role": "peer", "rank": 0, "nonce": bytes(31), "job": ""})],
+    "proof_instead_of_hello": [_handshake_frame(FrameKind.PROOF, {"proof": bytes(32)})],
+    "short_proof": [_hello_bytes(), _handshake_frame(FrameKind.PROOF, {"proof": bytes(31)})],
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_HANDSHAKES))
+async def test_rank_rejects_malformed_handshake_frame_with_reason(case: str) -> None:
+    """SPEC, Handshake, Failures: a whole handshake frame of the wrong kind or with a bad meta
+    is answered with REJECT {"reason": "protocol error"} before the rank closes (it used to
+    close without a word, unlike the rendezvous server)."""
+    transport = TcpTransport(1, 2, token=TOKEN, handshake_timeout=5.0)
+    try:
+        host, port = await transport.listen("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            frames = MALFORMED_HANDSHAKES[case]
+            received = bytearray()
+            for data in frames[:-1]:  # a good HELLO first: its CHALLENGE comes back
+                writer.write(data)
+                challenge = await read_one_frame(reader, received)
+                assert challenge is not None and challenge.kind == FrameKind.CHALLENGE
+            writer.write(frames[-1])
+            decoder = FrameDecoder(max_payload=0)
+            decoder.feed(await read_until_closed(reader, 3.0))
+            decoder.feed(b"")
+            got = [(f.kind, f.header.meta) for f in decoder.frames()]
+            assert got == [(FrameKind.REJECT, {"reason": "protocol error"})]
+        finally:
+            await close_writer(writer)
+        assert not transport._out and not transport._pair
+    finally:
+        await transport.close()
+
+
 async def attack(host: str, port: int, what: str) -> tuple[str, float]:
     """Open a connection, misbehave, and return how long the server took to drop it."""
     reader, writer = await asyncio.open_connection(host, port)

@@ -65,7 +65,7 @@ from ..errors import (
     PeerLostError,
     ProtocolError,
 )
-from ..handshake import ClientHandshake, ServerHandshake
+from ..handshake import REASON_PROTOCOL, ClientHandshake, ServerHandshake
 from ..tuning import Tuning
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -457,10 +457,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._established()
             return
         assert self._server is not None
-        if self._server.peer_role is None:
-            self.transport.write(encode_frame_bytes(self._server.on_hello(frame)))
-            return
-        reply = self._server.on_proof(frame)
+        try:
+            if self._server.peer_role is None:
+                self.transport.write(encode_frame_bytes(self._server.on_hello(frame)))
+                return
+            reply = self._server.on_proof(frame)
+        except ProtocolError:  # a whole frame, but not the one due: say so (SPEC, Failures)
+            self.transport.write(encode_frame_bytes(self._server.reject_frame(REASON_PROTOCOL)))
+            raise
         peer = self._server.peer_rank
         if self._server.accepted and (self._server.peer_role != "peer" or peer is None
                                       or not 0 <= peer < owner.world_size or peer == owner.rank):
