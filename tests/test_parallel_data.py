@@ -549,3 +549,31 @@ async def test_float16_models_train_under_every_strategy(strategy: str) -> None:
     for got in await run_world(rank, 2, "memory"):
         assert got.dtype == np.float16
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_a_schedule_on_the_given_optimizer_reaches_every_strategy(strategy: str) -> None:
+    """Setting the hyperparameters of the optimizer handed to the wrapper (a learning-rate
+    schedule written against it) changes the steps under ZeRO as under DDP, whose optimizer
+    it is: ZeRO's per-bucket clones used to keep the values they were cloned with."""
+    data = batches(6)
+    ref_opt = SGD(lr=0.05, momentum=0.9)
+    model = MLP(SIZES, seed=3)
+    await train_locally(model, ref_opt, data[:3])
+    ref_opt.lr, ref_opt.weight_decay = 0.005, 0.1
+    _, want = await train_locally(model, ref_opt, data[3:])
+
+    async def rank(comm: Communicator) -> np.ndarray:
+        opt = SGD(lr=0.05, momentum=0.9)
+        dist = as_distributed(MLP(SIZES, seed=3), comm, opt, strategy=strategy,
+                              bucket_bytes=200)
+        for i, batch in enumerate(data):
+            if i == 3:
+                opt.lr, opt.weight_decay = 0.005, 0.1
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+        assert dist.lr == 0.005
+        full = await dist.full_parameters()
+        return np.concatenate([full[s.name].reshape(-1) for s in dist.model.param_specs()])
+
+    for got in await run_world(rank, 3, "memory"):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

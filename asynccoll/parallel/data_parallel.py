@@ -182,7 +182,9 @@ class DistributedModel:
     # ----------------------------------------------------------------------- set-up
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
-        """Use ``optimizer`` (its hyperparameters; ZeRO gives each bucket's shard a clone)."""
+        """Use ``optimizer`` (its hyperparameters; ZeRO gives each bucket's shard a clone,
+        which takes the optimizer's hyperparameters again at every step, so that changing
+        ``optimizer.lr`` works under every strategy)."""
         self._optimizer = optimizer
         if self.strategy == "ddp":
             self._opts = [optimizer]
@@ -280,6 +282,12 @@ class DistributedModel:
             raise RuntimeError("no optimizer: pass one to the wrapper or call set_optimizer()")
         await self.start()
         lay, r = self.layout, self.rank
+        hyper = self._optimizer.hyper
+        for opt in self._opts:
+            # ZeRO steps clones: a schedule that sets the optimizer it was given (its ``lr``,
+            # say) reaches them, as it reaches DDP's, which is that optimizer itself
+            if opt is not self._optimizer and opt.hyper != hyper:
+                opt._configure(hyper)
         self._frozen = []
         for spec in self.model.param_specs():
             if not spec.trainable:
