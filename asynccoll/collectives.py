@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -261,8 +262,15 @@ class Communicator:
         self._rank = self._ranks.index(transport.rank)
         self._group = group
         self._seq = 0
-        self._p2p_sent: dict[tuple[int, int], int] = {}
-        self._p2p_received: dict[tuple[int, int], int] = {}
+        # point to point: the k-th message to a group rank travels as P2P frame seq k, with
+        # its tag beside the header's fields (``sig``), so that the state kept is per peer,
+        # not per (peer, tag): a tag used once (say, a step number) leaves nothing behind.
+        # A recv takes the messages of its source in the order they were sent, keeping those
+        # of other tags until their recv comes (``_pull``)
+        self._p2p_sent: dict[int, int] = {}  # group rank -> seq of the next send to it
+        self._p2p_next: dict[int, int] = {}  # group rank -> seq of the next frame to take
+        self._p2p_kept: dict[tuple[int, int], deque[np.ndarray]] = {}  # (src, tag) -> arrays
+        self._p2p_pulling: dict[int, asyncio.Future[None]] = {}  # src -> a recv taking a frame
         self._children = 0
         self._closed = False
         self._owns_transport = owns_transport
@@ -689,11 +697,11 @@ class Communicator:
         if dst == self._rank:
             raise ValueError("send to self is not supported")
         self._check_open()
-        n = self._p2p_sent.get((dst, tag), 0)
-        self._p2p_sent[(dst, tag)] = n + 1
+        n = self._p2p_sent.get(dst, 0)
+        self._p2p_sent[dst] = n + 1
         t = self._transport
-        head = encode_data_head(FrameKind.P2P, self._group, n, 0, tag, t.rank,
-                                dtype_code(a.dtype), a.shape, None, a.nbytes)
+        head = encode_data_head(FrameKind.P2P, self._group, n, 0, 0, t.rank,
+                                dtype_code(a.dtype), a.shape, (tag,), a.nbytes)
         await self._watched_p2p(t.send(self._ranks[dst], head, bytes_view(a)), dst, "send",
                         f"send to group rank {dst} made no progress within")
 
@@ -704,15 +712,45 @@ class Communicator:
         if src == self._rank:
             raise ValueError("recv from self is not supported")
         self._check_open()
-        n = self._p2p_received.get((src, tag), 0)
-        self._p2p_received[(src, tag)] = n + 1
+        return await self._watched_p2p(self._pull(src, tag), src, "recv",
+                                       f"recv from group rank {src} (tag {tag}) got nothing "
+                                       f"within")
+
+    async def _pull(self, src: int, tag: int) -> np.ndarray:
+        """The next message from group rank ``src`` with ``tag``: one kept already, or the
+        frames ``src`` sent taken in order (one recv at a time per source) until one has
+        ``tag``; the others are kept for their recvs."""
         t = self._transport
-        key = (self._ranks[src], int(FrameKind.P2P), self._group, n, 0, tag)
-        frame = await self._watched_p2p(t.recv(key), src, "recv",
-                                f"recv from group rank {src} (tag {tag}) got nothing within")
-        h = frame.header
-        assert h.dtype is not None and h.shape is not None
-        return array_view(frame.payload, h.dtype, h.shape)
+        kept = self._p2p_kept
+        while True:
+            queue = kept.get((src, tag))
+            if queue:
+                arr = queue.popleft()
+                if not queue:
+                    del kept[(src, tag)]
+                return arr
+            pulling = self._p2p_pulling.get(src)
+            if pulling is not None:  # another recv takes the next frame: then look again
+                await asyncio.wait((pulling,))
+                continue
+            n = self._p2p_next.get(src, 0)
+            self._p2p_next[src] = n + 1
+            pulling = self._p2p_pulling[src] = asyncio.get_running_loop().create_future()
+            try:
+                frame = await t.recv((self._ranks[src], int(FrameKind.P2P), self._group, n, 0, 0))
+            finally:
+                del self._p2p_pulling[src]
+                pulling.set_result(None)
+            h = frame.header
+            if h.dtype is None or h.shape is None or not h.sig or type(h.sig[0]) is not int:
+                err = CollectiveError(f"world rank {self._ranks[src]} sent a point-to-point "
+                                      f"message without its tag")
+                t.abort(err)
+                raise err
+            arr = array_view(frame.payload, h.dtype, h.shape)
+            if h.sig[0] == tag:
+                return arr
+            kept.setdefault((src, h.sig[0]), deque()).append(arr)
 
     async def _watched_p2p(self, op: Awaitable[T], peer: int, what: str, timed_out: str) -> T:
         """Await a send or recv with group rank ``peer`` under the watchdog (counting that

@@ -1054,6 +1054,52 @@ async def test_send_recv(run, backend, world_size):
     await run(fn, world_size, backend)
 
 
+async def test_tags_used_once_leave_nothing_behind(run, backend):
+    """A training loop that tags each message with its step number: 3000 tags, each used
+    once, keep no per-tag state (it grew by ~500 bytes a tag, per rank, for good); and a
+    large message on one tag, then a small one on another (TCP: different connections),
+    received in the opposite order, each get their own data."""
+    import tracemalloc
+
+    from asynccoll import collectives
+    from asynccoll.transport import mpi as mpi_module
+
+    files = [collectives.__file__, mpi_module.__file__]
+    grown: list[int] = []
+
+    async def fn(comm: Communicator) -> None:
+        peer = 1 - comm.rank
+        a = np.arange(4.0) + comm.rank
+        big = np.arange(300_000.0) + comm.rank
+
+        async def burst(lo: int, hi: int) -> None:
+            for tag in range(lo, hi):
+                got, _ = await asyncio.gather(comm.recv(peer, tag=tag),
+                                              comm.send(a, peer, tag=tag))
+                assert_exact(got, np.arange(4.0) + peer)
+
+        await burst(0, 200)
+        await comm.barrier()
+        if comm.rank == 0:
+            tracemalloc.start()
+        await comm.barrier()
+        await burst(200, 3200)
+        await comm.barrier()
+        if comm.rank == 0:
+            snap = tracemalloc.take_snapshot()
+            tracemalloc.stop()
+            kept = snap.filter_traces([tracemalloc.Filter(True, f) for f in files])
+            grown.append(sum(stat.size for stat in kept.statistics("filename")))
+        await comm.send(big, peer, tag=1 << 40)
+        await comm.send(a, peer, tag=5)
+        assert_exact(await comm.recv(peer, tag=5), np.arange(4.0) + peer)
+        assert_exact(await comm.recv(peer, tag=1 << 40), np.arange(300_000.0) + peer)
+
+    await run(fn, 2, backend)
+    if grown:
+        assert grown[0] < 64 << 10, f"{grown[0]} bytes kept for 3000 tags used once"
+
+
 # -------------------------------------------------------------------------------- objects
 
 OBJECTS: list[Any] = [

@@ -642,6 +642,8 @@ class MpiCommunicator(Communicator):
                     break
             else:
                 self._p2p_early.setdefault(key, deque()).append((arr, req))
+            if waiting is not None and not waiting:  # (a tag used once leaves nothing behind)
+                del self._p2p_waiting[key]
 
     async def recv(self, src: int, tag: int = 0) -> np.ndarray:
         """Receive the next array group rank ``src`` sent with ``tag`` (a new array)."""
@@ -658,6 +660,8 @@ class MpiCommunicator(Communicator):
         early = self._p2p_early.get(key)
         if early:
             fut.set_result(early.popleft())
+            if not early:
+                del self._p2p_early[key]
         else:
             self._p2p_waiting.setdefault(key, deque()).append(fut)
         item: tuple[np.ndarray, Any] | None = None
