@@ -8,11 +8,14 @@ that keeps serving its legitimate client.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import logging
 import re
 import socket
 import struct
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +24,7 @@ from conftest import LogWatch
 from asynccoll.errors import AuthenticationError, RendezvousError
 from asynccoll.handshake import client_handshake, read_frame, server_handshake, write_frame
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer, serve
-from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes
+from asynccoll.wire import Frame, FrameHeader, FrameKind, decode_frames, encode_frame_bytes
 
 TOKEN = "s3cr3t-rendezvous-token-value"
 PREFIX = struct.Struct("!4sBBHIQ")
@@ -804,3 +807,71 @@ async def test_write_frame_requests_are_demultiplexed(server: RendezvousServer) 
         assert got == [(11, b""), (10, b"val")]
     finally:
         await raw_close(writer)
+
+
+# ----------------------------------------------------------------------------------- vectors
+
+RDV_VECTORS_PATH = Path(__file__).resolve().parents[1] / "protocol" / "vectors" / "rendezvous.json"
+RDV_VECTORS = json.loads(RDV_VECTORS_PATH.read_text())
+
+
+def test_rendezvous_vectors_are_up_to_date() -> None:
+    path = RDV_VECTORS_PATH.parents[1] / "make_rendezvous_vectors.py"
+    spec = importlib.util.spec_from_file_location("make_rendezvous_vectors", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.render() == RDV_VECTORS_PATH.read_text(), \
+        "run protocol/make_rendezvous_vectors.py"
+
+
+def _vector_json(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"bin": value.hex()}
+    if isinstance(value, dict):
+        return {k: _vector_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_vector_json(v) for v in value]
+    return value
+
+
+def test_rendezvous_vectors_cover_every_op_and_error_code() -> None:
+    ops = {s["request"]["meta"]["op"] for s in RDV_VECTORS["session"]}
+    assert ops >= {"set", "get", "wait", "add", "compare_set", "delete", "num_keys", "join",
+                   "leave", "roster", "generation", "bump_generation"}
+    codes = {s["response"]["meta"].get("code") for s in RDV_VECTORS["session"]}
+    assert codes == {None, "bad_request", "unknown_op", "timeout", "not_integer", "overflow"}
+
+
+async def test_rendezvous_vectors_replayed_byte_for_byte() -> None:
+    """The vector bytes as they are (not re-encoded) sent to a fresh server: every response is
+    the vector's, byte for byte, and means what its JSON says; every 'closing' frame makes the
+    server close the connection without a response."""
+    async with RendezvousServer(token=RDV_VECTORS["token"]) as srv:
+        reader, writer = await raw_open(srv)
+        try:
+            await client_handshake(reader, writer, RDV_VECTORS["token"], role="client",
+                                   timeout=5)
+            for step in RDV_VECTORS["session"]:
+                request = decode_frames(bytes.fromhex(step["request_hex"]))[0]
+                assert _vector_json(request.header.meta) == step["request"]["meta"]
+                assert bytes(request.payload).hex() == step["request"]["payload_hex"]
+                writer.write(bytes.fromhex(step["request_hex"]))
+                async with asyncio.timeout(5):
+                    response = await read_frame(reader, 1 << 26)
+                assert response is not None, step["name"]
+                assert encode_frame_bytes(response).hex() == step["response_hex"], step["name"]
+                assert _vector_json(response.header.meta) == step["response"]["meta"]
+                assert bytes(response.payload).hex() == step["response"]["payload_hex"]
+        finally:
+            await raw_close(writer)
+        for case in RDV_VECTORS["closing"]:
+            reader, writer = await raw_open(srv)
+            try:
+                await client_handshake(reader, writer, RDV_VECTORS["token"], role="client",
+                                       timeout=5)
+                writer.write(bytes.fromhex(case["hex"]))
+                async with asyncio.timeout(5):
+                    assert await reader.read() == b"", case["name"]
+            finally:
+                await raw_close(writer)
