@@ -260,6 +260,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     elif args.max_restarts:
         sys.stderr.write("asynccoll run: --max-restarts needs --elastic\n")
         return 2
+    if args.max_restarts < 0:
+        sys.stderr.write(f"asynccoll run: --max-restarts must be >= 0, "
+                         f"got {args.max_restarts}\n")
+        return 2
     launcher = _Launcher(args.n, command, addr=args.addr, port=args.port, token=token,
                          bind=args.bind or args.addr, elastic=elastic,
                          max_restarts=args.max_restarts)
@@ -271,11 +275,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_rendezvous(args: argparse.Namespace) -> int:
     from .rendezvous import serve
 
+    if not 0 <= args.port <= 65535:  # the kernel would take it modulo 65536
+        sys.stderr.write(f"asynccoll rendezvous: --port must be 0-65535, got {args.port}\n")
+        return 2
     token = args.token or os.environ.get("ASYNCCOLL_TOKEN")
     if token is None:
         log.warning("no token: any process that can reach %s:%d can join", args.host, args.port)
-    with contextlib.suppress(KeyboardInterrupt):
-        _run_loop(serve(args.host, args.port, token))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            _run_loop(serve(args.host, args.port, token))
+    except OSError as exc:  # the address is taken, not ours, or not an address
+        sys.stderr.write(f"asynccoll rendezvous: cannot listen on {args.host}:{args.port}: "
+                         f"{exc}\n")
+        return 1
     return 0
 
 

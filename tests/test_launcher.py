@@ -453,6 +453,40 @@ def test_rendezvous_port_out_of_range() -> None:
     assert "Traceback" not in res.stderr and "--port must be 0-65535" in res.stderr, res.stderr
 
 
+
+@pytest.mark.parametrize("args, message", [
+    # the kernel takes a port modulo 65536: 99999 would listen on 34463, unannounced
+    (["rendezvous", "--port", "99999"], "--port must be 0-65535, got 99999"),
+    (["rendezvous", "--port", "-1"], "--port must be 0-65535, got -1"),
+    (["rendezvous", "--host", "no-such-host.invalid", "--port", "0", "--token", "t"],
+     "cannot listen on no-such-host.invalid:0"),
+    (["run", "-n", "2", "--elastic", "--max-restarts", "-1", "x.py"],
+     "--max-restarts must be >= 0, got -1"),
+])
+def test_bad_command_line_values_are_one_line_errors(args: list[str], message: str) -> None:
+    """A value the command cannot use: one line naming it on stderr, no traceback, a nonzero
+    exit, at once (the rendezvous server did not listen somewhere else, or forever)."""
+    res = subprocess.run([sys.executable, "-m", "asynccoll", *args], cwd=REPO,
+                         env=clean_env(), capture_output=True, text=True, timeout=30,
+                         check=False)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and message in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_standalone_rendezvous_port_in_use() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "asynccoll", "rendezvous", "--port",
+                              str(port), "--token", "t"], cwd=REPO, env=clean_env(),
+                             capture_output=True, text=True, timeout=30, check=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in res.stderr and "in use" in res.stderr
+
+
 def test_hangup_stops_everything(reaper: Callable[..., Proc]) -> None:
     """SIGHUP (the terminal or the ssh session of the launcher went away) stops the ranks
     too: they run in sessions of their own, so nothing else would tell them."""
