@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from asynccoll import handshake  # noqa: E402
-from asynccoll.errors import AuthenticationError  # noqa: E402
+from asynccoll.errors import AuthenticationError, ProtocolError  # noqa: E402
 from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes  # noqa: E402
 
 OUTPUT = ROOT / "protocol" / "vectors" / "handshake.json"
@@ -124,6 +124,62 @@ def _assemble(name: str, description: str, client_token: str, server_token: str,
     }
 
 
+def _malformed(name: str, description: str, client_frames: list[Frame]) -> dict[str, Any]:
+    """A client whose last frame is a whole frame, but not a well-formed one of the kind due:
+    the server answers REJECT "protocol error" (frames before it are answered as usual)."""
+    server = handshake.ServerHandshake("secret", nonce=SERVER_NONCE)
+    frames = []
+    for i, frame in enumerate(client_frames):
+        frames.append(_frame_json("client", frame))
+        step = server.on_hello if i == 0 else server.on_proof
+        try:
+            reply = step(frame)
+        except ProtocolError:
+            assert i == len(client_frames) - 1, name
+            frames.append(_frame_json("server", server.reject_frame(handshake.REASON_PROTOCOL)))
+            break
+        assert i < len(client_frames) - 1, name
+        frames.append(_frame_json("server", reply))
+    else:
+        raise AssertionError(f"{name}: the server accepted every frame")
+    return {"name": name, "description": description,
+            "server": {"token": "secret", "job": "", "nonce_hex": SERVER_NONCE.hex()},
+            "frames": frames}
+
+
+def malformed() -> list[dict[str, Any]]:
+    def hs(kind: FrameKind, **meta: Any) -> Frame:
+        return Frame(kind, FrameHeader(meta=meta))
+
+    good_hello = handshake.ClientHandshake("secret", role="peer", rank=1,
+                                           nonce=CLIENT_NONCE).hello()
+    hello = {"role": "peer", "rank": 1, "nonce": CLIENT_NONCE, "job": ""}
+    return [
+        _malformed("hello_bad_role", "role is neither \"peer\" nor \"client\"",
+                   [hs(FrameKind.HELLO, **{**hello, "role": "admin"})]),
+        _malformed("hello_peer_without_rank", "a peer with a nil rank",
+                   [hs(FrameKind.HELLO, **{**hello, "rank": None})]),
+        _malformed("hello_rank_over_u32", "rank 2^32",
+                   [hs(FrameKind.HELLO, **{**hello, "rank": 1 << 32})]),
+        _malformed("hello_rank_bool", "rank true (a bool is not an int)",
+                   [hs(FrameKind.HELLO, **{**hello, "rank": True})]),
+        _malformed("hello_nonce_31_bytes", "a nonce one byte short",
+                   [hs(FrameKind.HELLO, **{**hello, "nonce": CLIENT_NONCE[:31]})]),
+        _malformed("hello_nonce_str", "the nonce as str, not bin",
+                   [hs(FrameKind.HELLO, **{**hello, "nonce": "x" * 32})]),
+        _malformed("hello_job_missing", "no job key",
+                   [hs(FrameKind.HELLO, role="peer", rank=1, nonce=CLIENT_NONCE)]),
+        _malformed("hello_without_meta", "a HELLO with no meta at all",
+                   [Frame(FrameKind.HELLO, FrameHeader())]),
+        _malformed("proof_instead_of_hello", "a PROOF first",
+                   [hs(FrameKind.PROOF, proof=bytes(32))]),
+        _malformed("proof_31_bytes", "a proof one byte short, after a good HELLO",
+                   [good_hello, hs(FrameKind.PROOF, proof=bytes(31))]),
+        _malformed("hello_instead_of_proof", "a second HELLO instead of PROOF",
+                   [good_hello, good_hello]),
+    ]
+
+
 def build() -> dict[str, Any]:
     exchanges = [
         _exchange("accepted", "a peer rank authenticates to a peer server of the same job",
@@ -149,18 +205,20 @@ def build() -> dict[str, Any]:
     return {"description": DESCRIPTION, "version": 1,
             "labels": {"server": handshake.SERVER_LABEL.decode(),
                        "client": handshake.CLIENT_LABEL.decode()},
-            "exchanges": exchanges}
+            "exchanges": exchanges, "malformed": malformed()}
 
 
 def render() -> str:
     """The file's exact text."""
     data = build()
     lines = ["{"]
-    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k != "exchanges"]
+    lists = ("exchanges", "malformed")
+    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k not in lists]
     lines.append(",\n".join(head) + ",")
-    lines.append(' "exchanges": [')
-    lines.append(",\n".join("  " + json.dumps(e) for e in data["exchanges"]))
-    lines.append(" ]")
+    for key in lists:
+        lines.append(f' "{key}": [')
+        lines.append(",\n".join("  " + json.dumps(e) for e in data[key]))
+        lines.append(" ]," if key != lists[-1] else " ]")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VECTORS_PATH = ROOT / "protocol" / "vectors" / "handshake.json"
 VECTORS = json.loads(VECTORS_PATH.read_text())
 EXCHANGES = {e["name"]: e for e in VECTORS["exchanges"]}
+MALFORMED = {e["name"]: e for e in VECTORS["malformed"]}
 NONCE_C = bytes(range(32))
 NONCE_S = bytes(range(100, 132))
 LONG_TOKEN = b"tok-\x00\xff-a-rather-long-shared-secret-0123456789"
@@ -111,6 +112,7 @@ def test_vector_file_shape() -> None:
     assert VECTORS["version"] == 1
     assert set(EXCHANGES) >= {"accepted", "accepted_empty_token", "client_rejects_wrong_server",
                               "server_rejects_wrong_proof", "job_mismatch"}
+    assert {"hello_bad_role", "proof_instead_of_hello", "proof_31_bytes"} <= set(MALFORMED)
     assert VECTORS["labels"] == {"server": "asynccoll/v1/server", "client": "asynccoll/v1/client"}
 
 
@@ -185,6 +187,60 @@ def test_vector_exchange_reproduced_byte_for_byte(name: str) -> None:
         if name != "server_rejects_wrong_proof":
             with pytest.raises(AuthenticationError, match=outcome["reason"]):
                 client.on_result(frame_of(vf[3]))
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_vector_answered_with_protocol_error_reject(name: str) -> None:
+    """The state machine, fed the vector's client frames, answers each as the vector says and
+    raises ProtocolError at the last one; the caller's REJECT is the vector's last frame."""
+    vector = MALFORMED[name]
+    frames = vector["frames"]
+    server = ServerHandshake(vector["server"]["token"], job=vector["server"]["job"],
+                             nonce=bytes.fromhex(vector["server"]["nonce_hex"]))
+    assert [f["from"] for f in frames] == ["client", "server"] * (len(frames) // 2)
+    for i in range(0, len(frames), 2):
+        step = server.on_hello if i == 0 else server.on_proof
+        if i + 2 < len(frames):
+            assert encode_frame_bytes(step(frame_of(frames[i]))).hex() == frames[i + 1]["hex"]
+        else:
+            with pytest.raises(ProtocolError):
+                step(frame_of(frames[i]))
+    reject = server.reject_frame(handshake.REASON_PROTOCOL)
+    assert encode_frame_bytes(reject).hex() == frames[-1]["hex"]
+    assert frames[-1]["meta"] == {"reason": "protocol error"} and not server.accepted
+
+
+@pytest.mark.parametrize("target", ["rank", "rendezvous"])
+async def test_malformed_vectors_against_live_servers(target: str) -> None:
+    """Every malformed vector's client frames, sent as they are to a TCP rank's listener and
+    to a rendezvous server: the answers have the vector's kinds, the last is its REJECT byte
+    for byte, then the connection closes."""
+    from asynccoll.rendezvous import RendezvousServer
+    from asynccoll.transport.tcp import TcpTransport
+
+    server: Any = (TcpTransport(0, 3, token="secret") if target == "rank"
+                   else RendezvousServer(token="secret"))
+    try:
+        if target == "rank":
+            host, port = await server.listen("127.0.0.1", 0)
+        else:
+            await server.start()
+            host, port = server.host, server.port
+        for vector in MALFORMED.values():
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                async with asyncio.timeout(5):
+                    for i in range(0, len(vector["frames"]), 2):
+                        writer.write(bytes.fromhex(vector["frames"][i]["hex"]))
+                        want = vector["frames"][i + 1]
+                        got = await read_frame(reader, 0)
+                        assert got is not None and got.kind == want["kind"], vector["name"]
+                    assert encode_frame_bytes(got).hex() == want["hex"], vector["name"]
+                    assert await reader.read() == b"", vector["name"]
+            finally:
+                await _close(writer)
+    finally:
+        await server.close()
 
 
 def test_token_never_in_vector_frames() -> None:
