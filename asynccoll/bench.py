@@ -27,11 +27,52 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
 
 
 def _size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if text.endswith(suffix) or text.endswith(suffix + "B"):
-            return int(float(text.rstrip("B")[:-1]) * mult)
-    return int(text.rstrip("B"))
+    """Bytes from ``8``, ``64K``, ``1.5MB``, ``1G``."""
+    upper = text.strip().upper()
+    try:
+        for suffix, mult in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+            if upper.endswith(suffix) or upper.endswith(suffix + "B"):
+                n = int(float(upper.rstrip("B")[:-1]) * mult)
+                break
+        else:
+            n = int(upper.rstrip("B"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8, 64K, 1M)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return n
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``args`` (a one-line message), before any rank starts; ``None``
+    when nothing is."""
+    from .wire import dtype_code
+
+    if args.n is not None and args.n < 1:
+        return f"-n must be >= 1, got {args.n}"
+    if args.op != "all":
+        unknown = [o for o in (x.strip() for x in args.op.split(",")) if o not in OPS]
+        if unknown:
+            return f"unknown op {unknown[0]!r}; choose from all, {', '.join(OPS)}"
+    try:
+        dtype_code(np.dtype(args.dtype))
+    except TypeError as exc:  # not a dtype, or not one asynccoll moves
+        return f"--dtype {args.dtype!r}: {exc}"
+    for name in ("iters", "warmup"):
+        if getattr(args, name) < 0:
+            return f"--{name} must be >= 0, got {getattr(args, name)}"
+    if args.factor < 2:
+        return f"--factor must be >= 2, got {args.factor}"
+    if args.min_bytes > args.max_bytes:
+        return f"--min-bytes ({args.min_bytes}) is larger than --max-bytes ({args.max_bytes})"
+    if args.backend == "nccl":
+        from .transport.nccl import import_nccl
+
+        try:
+            import_nccl()
+        except ImportError as exc:
+            return str(exc)
+    return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -212,6 +253,10 @@ async def _local(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from .cli import _Launcher, _run_loop
 
+    problem = check_arguments(args)
+    if problem is not None:
+        sys.stderr.write(f"asynccoll bench: {problem}\n")
+        return 2
     under_launcher = "ASYNCCOLL_RANK" in os.environ or "RANK" in os.environ
     if args.backend == "mpi":  # MPI's launcher makes the world
         if args.n is not None:

@@ -39,6 +39,32 @@ def test_bench_memory_prints_a_row_per_size() -> None:
             assert r["busbw"] == pytest.approx(r["algbw"] * 4 / 3)
 
 
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "0"], "-n must be >= 1, got 0"),            # exited 0 having printed nothing
+    (["--backend", "memory", "-n", "-2"], "-n must be >= 1, got -2"),
+    (["-n", "2", "--dtype", "foo"], "--dtype 'foo'"),   # a traceback from every rank
+    (["--backend", "memory", "--dtype", "object"], "dtype object is not supported"),
+    (["-n", "2", "--op", "all_reduce,bogus"], "unknown op 'bogus'"),  # from every rank
+    (["--backend", "memory", "--iters", "-1"], "--iters must be >= 0, got -1"),
+    (["--backend", "memory", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--backend", "memory", "--factor", "1"], "--factor must be >= 2, got 1"),
+    (["--min-bytes", "1M", "--max-bytes", "1K"], "--min-bytes (1048576) is larger"),
+    (["--min-bytes", "-5"], "a size must be >= 0"),
+    (["--max-bytes", "1x"], "not a size: '1x'"),
+])
+def test_bench_bad_arguments_are_one_line_errors(args: list[str], message: str) -> None:
+    """Checked before any rank starts: one line (argparse's usage aside), no traceback,
+    exit 2."""
+    res = subprocess.run([sys.executable, "-m", "asynccoll", "bench", *args],
+                         capture_output=True, text=True, timeout=60, env=_env(), check=False)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and message in res.stderr, res.stderr
+    assert not res.stdout, res.stdout
+    last = res.stderr.strip().splitlines()[-1]
+    assert message in last and last.startswith("asynccoll bench"), res.stderr
+
+
 @pytest.mark.timeout(120)
 def test_bench_tcp_processes_table() -> None:
     proc = subprocess.run(

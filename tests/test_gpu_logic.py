@@ -434,3 +434,17 @@ def test_host_staged_scatter_ignores_arrays_off_root(fake: Any) -> None:
         asynccoll.run_local(fn, W, "memory", gpu_staging=True, timeout=5.0), 20))
     for r, o in enumerate(got):
         np.testing.assert_array_equal(o, [10.0 * r])
+
+
+def test_nccl_install_hint_reads_as_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CuPy, ``init(backend="nccl")`` names what to install in one sentence (it read
+    'needs CuPy with a CUDA GPU is required and CuPy built with NCCL')."""
+    from asynccoll.transport.nccl import import_nccl
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)
+    with pytest.raises(ImportError) as info:
+        import_nccl()
+    assert str(info.value).startswith(
+        'the "nccl" backend needs CuPy built with NCCL and a CUDA GPU: '
+        'pip install "asynccoll[gpu]" ('), str(info.value)

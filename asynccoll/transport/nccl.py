@@ -51,7 +51,6 @@ from .._progress import Turns, poll, signal_from_thread
 from ..collectives import Communicator, _check_array
 from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
 from ..gpu import (
-    GPU_REQUIRED,
     DelegatingCommunicator,
     check_device_array,
     is_device_array,
@@ -89,8 +88,8 @@ log = logging.getLogger("asynccoll.nccl")
 #: blocking ``cudaStreamSynchronize`` spins for the whole wait; this stops after 10 ms.
 WAIT_SPIN_SECONDS = 0.01
 
-_INSTALL_HINT = (f'the "nccl" backend needs {GPU_REQUIRED} and CuPy built with NCCL: '
-                 f'pip install "asynccoll[gpu]"')
+_INSTALL_HINT = ('the "nccl" backend needs CuPy built with NCCL and a CUDA GPU: '
+                 'pip install "asynccoll[gpu]"')
 
 #: NCCL datatypes of the dtypes NCCL reduces natively
 _NCCL_TYPES = {"|i1": "NCCL_INT8", "|u1": "NCCL_UINT8", "<i4": "NCCL_INT32",
