@@ -105,3 +105,19 @@ def test_every_page_is_in_the_nav() -> None:
     listed = set(re.findall(r"^\s*- (?:[^:\n]+: )?([\w/.-]+\.md)\s*$", nav, flags=re.MULTILINE))
     pages = {p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs").rglob("*.md")}
     assert pages <= listed, f"pages not in mkdocs.yml's nav: {sorted(pages - listed)}"
+
+
+def test_memory_page_states_where_the_direct_all_reduce_starts() -> None:
+    """docs/backends/memory.md names the size above which the in-process all_reduce is the
+    direct algorithm; it is Tuning.small_bytes (the page said 64 KiB, the code 128 KiB)."""
+    import asynccoll
+
+    text = (REPO / "docs" / "backends" / "memory.md").read_text(encoding="utf-8")
+    found = re.search(r"above (\d+) KiB\s+\(`Tuning.small_bytes`\), `all_reduce`\s+uses the "
+                      r"direct algorithm", text)
+    assert found is not None, "memory.md no longer says where the direct all_reduce starts"
+    at = int(found.group(1)) * 1024
+    tuning = asynccoll.Tuning()
+    assert at == tuning.small_bytes
+    assert tuning.all_reduce(at, 4, lends=True) != "direct"
+    assert tuning.all_reduce(at + 8, 4, lends=True) == "direct"
