@@ -124,6 +124,49 @@ async def test_one_worker_with_zero_staleness_is_synchronous_sgd(
             assert r.accepted == r.version == len(batches) and r.rejected == r.scaled == 0
 
 
+@pytest.mark.parametrize("servers", [(0,), (0, 1)])
+async def test_frozen_torch_parameters_stay_as_they_are(servers: tuple[int, ...]) -> None:
+    """A parameter frozen in the model (requires_grad=False) is left as it is by the
+    servers, as torch.optim leaves it, under a weight decay that would shrink it (AdamW's
+    default); it used to decay. One synchronous worker equals plain torch."""
+    torch = pytest.importorskip("torch")
+    from asynccoll.parallel import AdamW, TorchModel
+
+    def net() -> Any:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                                     torch.nn.Linear(6, 1)).double()
+        module[0].weight.requires_grad_(False)
+        return module
+
+    batches = [regression(s, 16) for s in range(5)]
+    ref_net = net()
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=0.05, weight_decay=0.5)
+    for x, y in batches:
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref_net(torch.from_numpy(x)),
+                                     torch.from_numpy(y)).backward()
+        ref.step()
+    want = {k: v.detach().numpy() for k, v in ref_net.named_parameters()}
+
+    async def rank(comm: Communicator) -> Any:
+        with TorchModel(net(), torch.nn.functional.mse_loss) as model:
+            opt = AsyncSGD(model, comm, servers=servers,
+                           optimizer=AdamW(lr=0.05, weight_decay=0.5), max_staleness=0)
+            if opt.is_server:
+                return await opt.serve()
+            for batch in batches:
+                await opt.step(batch)
+            got = await opt.parameters()
+            await opt.finish()
+            return got
+
+    results = await run_world(rank, len(servers) + 1, "memory")
+    got = results[-1]
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 # ------------------------------------------------------------------------------ staleness
 
 @pytest.mark.parametrize("backend", BACKENDS)

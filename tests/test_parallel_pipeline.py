@@ -406,6 +406,73 @@ async def test_torch_stages_equal_plain_torch(backend: str, schedule: str) -> No
     check_against(got, want_losses, want)
 
 
+@pytest.mark.parametrize("wrapped", ["step", "zero2"])
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+async def test_frozen_torch_stage_parameters_stay_as_they_are(wrapped: str, opt: str) -> None:
+    """Parameters of a TorchStage with requires_grad=False are left as they are, state
+    included, as torch.optim leaves them, by ``PipelineParallel.step`` and by a data-parallel
+    wrapper over the pipeline, under a weight decay that would shrink them (AdamW's default);
+    they used to decay. Unfrozen halfway (SGD, whose state has no step count), they train
+    from then on, as in torch."""
+    torch = pytest.importorskip("torch")
+    from asynccoll.parallel import AdamW
+    from asynccoll.parallel.pipeline import TorchStage
+
+    hyper = {"lr": 0.05, "weight_decay": 0.5}
+    if opt == "sgd":
+        hyper["momentum"] = 0.9
+    ours = {"adamw": AdamW, "sgd": SGD}[opt]
+    theirs = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[opt]
+    data = batches(steps=4, sizes=[5, 3])
+    unfreeze_at = 2 if opt == "sgd" else -1
+
+    def frozen_net() -> Any:
+        net = torch_net(0)
+        net[2].requires_grad_(False)            # a whole unit, and
+        net[4].weight.requires_grad_(False)     # a weight beside a trained bias
+        return net
+
+    net = frozen_net()
+    ref = theirs(net.parameters(), **hyper)
+    for i, (x, y) in enumerate(data):
+        if i == unfreeze_at:
+            net[4].weight.requires_grad_(True)
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        ref.step()
+    want = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+
+    async def rank(comm: Communicator) -> dict[str, np.ndarray]:
+        mesh = await Mesh.create(comm, pipe=3)
+        net = frozen_net()
+        parts = split_sequential(net, 3)
+        last = comm.rank == 2
+        with TorchStage(parts[comm.rank], torch.nn.functional.mse_loss if last else None,
+                        input_grad=comm.rank > 0) as stage:
+            pp = PipelineParallel(stage, mesh.pipe, micro_batches=2)
+            optimizer = ours(**hyper)
+            dist = None
+            if wrapped != "step":
+                dist = DistributedModel(pp, mesh.data, optimizer, strategy=wrapped)
+            for i, batch in enumerate(data):
+                if i == unfreeze_at:
+                    net[4].weight.requires_grad_(True)
+                if dist is None:
+                    await pp.step(batch, optimizer)
+                else:
+                    await dist.step(batch)
+            if dist is not None:
+                return await dist.full_parameters()
+            return {k: v.copy() for k, v in pp.parameters().items()}
+
+    got: dict[str, np.ndarray] = {}
+    for params in await run_world(rank, 3, "memory"):
+        got.update(params)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 @pytest.mark.timeout(120)
 def test_train_pipeline_example() -> None:
     res = subprocess.run([sys.executable, "-m", "asynccoll", "run", "-n", "2",

@@ -39,7 +39,7 @@ from ._failure import break_comm
 from .compression import Compression, make_compression
 from .layout import Bucket, FlatLayout
 from .model import Model
-from .optim import Optimizer
+from .optim import Optimizer, step_keeping
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3"]
 STRATEGIES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3")
@@ -288,13 +288,7 @@ class DistributedModel:
             # say) reaches them, as it reaches DDP's, which is that optimizer itself
             if opt is not self._optimizer and opt.hyper != hyper:
                 opt._configure(hyper)
-        self._frozen = []
-        for spec in self.model.param_specs():
-            if not spec.trainable:
-                first, stop = lay.offsets[spec.name]
-                if self._frozen and self._frozen[-1][1] == first:
-                    first = self._frozen.pop()[0]
-                self._frozen.append((first, stop))
+        self._frozen = lay.frozen_ranges(self.model.param_specs())
         if self.strategy == "ddp":
             assert self._params is not None and self._grads is not None
             self._opt_step(self._opts[0], self._params, self._grads, 0)
@@ -334,19 +328,7 @@ class DistributedModel:
         """``opt.step(params, grads)`` on the flat range ``[start, start + params.size)``,
         leaving the frozen parameters in it, and their optimizer state, as they were (as
         torch.optim skips them)."""
-        stop = start + params.size
-        keep = [(max(a, start) - start, min(b, stop) - start)
-                for a, b in self._frozen if a < stop and b > start]
-        if not keep:
-            opt.step(params, grads)
-            return
-        saved = [(params[a:b].copy(), {k: v[a:b].copy() for k, v in opt._buffers.items()})
-                 for a, b in keep]
-        opt.step(params, grads)
-        for (a, b), (value, buffers) in zip(keep, saved, strict=True):
-            params[a:b] = value
-            for name, buf in opt._buffers.items():     # state made by this step starts at 0
-                buf[a:b] = buffers[name] if name in buffers else 0
+        step_keeping(opt, params, grads, start, self._frozen)
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradients (``optimizer_step`` does this itself)."""

@@ -165,6 +165,18 @@ class FlatLayout:
         """``rank``'s shard cut out of a full flat array (a copy)."""
         return np.concatenate([flat[a:b] for a, b in self.global_ranges(rank)])
 
+    def frozen_ranges(self, specs: Sequence[ParamSpec]) -> list[tuple[int, int]]:
+        """The flat ``(start, stop)`` ranges of the parameters of ``specs`` (the model's
+        current ones: ``trainable`` may change) that are frozen, adjacent ones merged."""
+        out: list[tuple[int, int]] = []
+        for spec in specs:
+            if not spec.trainable:
+                first, stop = self.offsets[spec.name]
+                if out and out[-1][1] == first:
+                    first = out.pop()[0]
+                out.append((first, stop))
+        return out
+
     def describe(self) -> dict[str, Any]:
         """A msgpack/JSON-friendly description (what a checkpoint records)."""
         return {

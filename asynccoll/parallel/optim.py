@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -180,6 +180,27 @@ class Optimizer(abc.ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())
         return f"{type(self).__name__}({args})"
+
+
+def step_keeping(opt: Optimizer, params: np.ndarray, grads: np.ndarray, start: int,
+                 frozen: Sequence[tuple[int, int]]) -> None:
+    """``opt.step(params, grads)`` on the flat range ``[start, start + params.size)``,
+    leaving the parameters of the ``frozen`` flat ranges in it, and their optimizer state, as
+    they were (as torch.optim skips a parameter without a gradient): what every training
+    wrapper steps with."""
+    stop = start + params.size
+    keep = [(max(a, start) - start, min(b, stop) - start)
+            for a, b in frozen if a < stop and b > start]
+    if not keep:
+        opt.step(params, grads)
+        return
+    saved = [(params[a:b].copy(), {k: v[a:b].copy() for k, v in opt._buffers.items()})
+             for a, b in keep]
+    opt.step(params, grads)
+    for (a, b), (value, buffers) in zip(keep, saved, strict=True):
+        params[a:b] = value
+        for name, buf in opt._buffers.items():     # state made by this step starts at 0
+            buf[a:b] = buffers[name] if name in buffers else 0
 
 
 class SGD(Optimizer):

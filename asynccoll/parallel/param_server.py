@@ -86,7 +86,7 @@ from ..collectives import Communicator
 from ..errors import CollectiveError, CollectiveTimeout, PeerLostError
 from .layout import FlatLayout, split_bounds
 from .model import Model
-from .optim import Optimizer
+from .optim import Optimizer, step_keeping
 
 T = TypeVar("T")
 
@@ -316,7 +316,9 @@ class AsyncSGD:
             worker's longest step (see the module docstring).
         servers: the ranks that hold the parameters, in shard order (server ``i`` holds the
             ``i``-th ``numpy.array_split`` range of the flat vector).
-        optimizer: the update rule; each server applies it to its range (workers ignore it).
+        optimizer: the update rule; each server applies it to its range (workers ignore it),
+            leaving the parameters its own ``model`` marks frozen (``ParamSpec.trainable``
+            False, torch's ``requires_grad=False``) and their state as they are.
         max_staleness: ``None`` applies every push (Hogwild-style); ``k`` treats a push whose
             gradient is more than ``k`` versions old as stale.
         stale: what a server does with a stale push: ``"reject"`` drops it, ``"scale"``
@@ -775,8 +777,11 @@ class AsyncSGD:
             raise _Refusal(BAD_HEADER)
         staleness = self._version - version
         counters.max_staleness = max(counters.max_staleness, staleness)
+        # the parameters frozen in this server's model (requires_grad=False) stay as they are
+        start = self.shard[0]
+        frozen = self.layout.frozen_ranges(self.model.param_specs())
         if self.max_staleness is None or staleness <= self.max_staleness:
-            self.optimizer.step(shard, grads)
+            step_keeping(self.optimizer, shard, grads, start, frozen)
             status = ACCEPTED
             counters.accepted += 1
         elif self.stale == "reject":
@@ -786,7 +791,7 @@ class AsyncSGD:
             base = self.optimizer.lr
             self.optimizer.lr = base / (1 + staleness)
             try:
-                self.optimizer.step(shard, grads)
+                step_keeping(self.optimizer, shard, grads, start, frozen)
             finally:
                 self.optimizer.lr = base
             status = SCALED

@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import operator
@@ -57,7 +58,7 @@ from ._mlp_math import (
 from .layout import FlatLayout
 from .mlp import MLP, _BoundArrays, _LayerArrays
 from .model import Hooks, Model, NoHooks, ParamSpec
-from .optim import Optimizer
+from .optim import Optimizer, step_keeping
 
 if TYPE_CHECKING:
     import torch
@@ -487,6 +488,13 @@ class TorchStage(_BoundArrays, Stage):
     def computes_loss(self) -> bool:
         return self.loss_fn is not None
 
+    def param_specs(self) -> list[ParamSpec]:
+        """The parameters; ``trainable`` is each one's ``requires_grad`` now (a frozen one
+        is left as it is by the optimizer steps of the pipeline and of the wrappers)."""
+        return [s if s.trainable == self._tparams[s.name].requires_grad
+                else dataclasses.replace(s, trainable=bool(self._tparams[s.name].requires_grad))
+                for s in self._specs]
+
     @property
     def held(self) -> int:
         """Micro-batches whose autograd graphs the stage holds now."""
@@ -665,7 +673,7 @@ class PipelineParallel(Model):
         self._held = 0
         self._started = False
         self._busy = False
-        self._local: tuple[np.ndarray, np.ndarray] | None = None
+        self._local: tuple[np.ndarray, np.ndarray, FlatLayout] | None = None
         #: what the last stage multiplies the loss (and so every gradient) by: ``Hybrid``
         #: sets it to ``data * n / N`` for a replica's share of ``n`` of ``N`` samples, so
         #: that the plain mean of the replicas' gradients is that of the whole batch
@@ -721,7 +729,8 @@ class PipelineParallel(Model):
     async def step(self, batch: Any, optimizer: Optimizer) -> float:
         """Pipeline-only training: one pass, then ``optimizer`` steps this stage's parameters
         (each stage its own; the optimizers are elementwise, so this is the optimizer of the
-        whole model) and the gradients are zeroed. Returns the loss.
+        whole model; frozen parameters, ``ParamSpec.trainable`` False, are left as they
+        are) and the gradients are zeroed. Returns the loss.
 
         The first call moves the stage's parameters into one flat array and binds the stage
         to it; do not mix with a data-parallel wrapper (use ``DistributedModel(pp,
@@ -736,10 +745,11 @@ class PipelineParallel(Model):
                 flat[a:b] = current[s.name].reshape(-1)
             grads = np.zeros(lay.size, lay.dtype)
             self.bind(params=lay.views(flat), grads=lay.views(grads))
-            self._local = flat, grads
-        params, grads = self._local
+            self._local = flat, grads, lay
+        params, grads, lay = self._local
         loss = await self.forward_backward(batch)
-        optimizer.step(params, grads)
+        # frozen parameters (a TorchStage's requires_grad=False) stay as they are
+        step_keeping(optimizer, params, grads, 0, lay.frozen_ranges(self.param_specs()))
         grads.fill(0)
         return loss
 
