@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -151,7 +152,7 @@ class _Watchdog:
     #: the timers' resolution (uvloop's): a look this early counts as on time
     SLACK = 1e-3
 
-    __slots__ = ("_armed", "_calls", "_expired", "_handle", "_loop", "_transport")
+    __slots__ = ("__weakref__", "_armed", "_calls", "_expired", "_handle", "_loop", "_transport")
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
@@ -188,7 +189,17 @@ class _Watchdog:
         if self._handle is None or deadline < self._armed:
             if self._handle is not None:
                 self._handle.cancel()
-            self._handle = loop.call_at(deadline, self._fire)
+                self._handle = None
+            self._arm(loop, deadline)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Set the timer for ``deadline``. It refers to the watchdog weakly: a timer left
+        armed after the last call (it is not cancelled per call: that costs) must not keep
+        a communicator nobody uses any more, and with it the world's transport, alive until
+        it fires; a call without a timeout (``inf``) arms none at all (it would stay in the
+        event loop for good)."""
+        if deadline != math.inf:
+            self._handle = loop.call_at(deadline, _fire, weakref.ref(self))
             self._armed = deadline
 
     def unwatch(self, task: asyncio.Task[Any]) -> None:
@@ -237,8 +248,14 @@ class _Watchdog:
             if earliest is None or deadline < earliest:
                 earliest = deadline
         if earliest is not None:
-            self._handle = loop.call_at(earliest, self._fire)
-            self._armed = earliest
+            self._arm(loop, earliest)
+
+
+def _fire(ref: weakref.ReferenceType[_Watchdog]) -> None:
+    """A watchdog's timer: its look at the calls, if the watchdog still exists."""
+    watchdog = ref()
+    if watchdog is not None:
+        watchdog._fire()
 
 
 class Communicator:

@@ -13,6 +13,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import asynccoll
@@ -162,3 +163,31 @@ async def test_a_closed_communicator_keeps_no_timer() -> None:
 
     for comm in await asynccoll.run_local(fn, 2, "memory", timeout=600):
         assert comm._watchdog._handle is None  # run_local closed it
+
+
+@pytest.mark.parametrize(("backend", "timeout"), [("memory", float("inf")), ("memory", 600.0),
+                                                  ("tcp", 600.0)])
+async def test_a_dropped_subgroup_keeps_no_world_alive(backend: str, timeout: float) -> None:
+    """Worlds formed and closed one after another, each with a subgroup that is used and
+    then dropped without a close (as new_group in a loop does): once the world closed, its
+    transports are freed at once. The subgroup's watchdog timer, left armed after its last
+    call, held the world for timeout / 4 (for good without a timeout: 3 transports a world)."""
+    import weakref
+
+    transports: list[weakref.ref[object]] = []
+
+    async def fn(comm: Communicator) -> None:
+        transports.append(weakref.ref(comm.transport))
+        sub = await comm.new_group([0, 1])
+        if sub is not None:
+            await sub.all_reduce(np.ones(10))
+        await comm.barrier()
+
+    for _ in range(3):
+        await asynccoll.run_local(fn, 3, backend, timeout=timeout)
+    gc.collect()
+    alive = [ref for ref in transports if ref() is not None]
+    assert not alive, f"{len(alive)} of {len(transports)} transports of closed worlds alive"
+    loop = asyncio.get_running_loop()
+    assert not [h for h in loop._scheduled  # type: ignore[attr-defined]
+                if not h.cancelled() and h.when() == float("inf")]
