@@ -577,3 +577,34 @@ async def test_a_schedule_on_the_given_optimizer_reaches_every_strategy(strategy
 
     for got in await run_world(rank, 3, "memory"):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("compression", ["topk:0.2", "int8:4"])
+async def test_compression_residuals_restart_at_zero_on_load(compression: str,
+                                                             tmp_path: Path) -> None:
+    """A wrapper that trained with error feedback and then loads a checkpoint continues
+    exactly as a fresh wrapper loading it: the residuals restart at zero, as training.md says
+    (they used to carry what the earlier steps had dropped into the loaded run)."""
+    data = batches(8)
+
+    async def rank(comm: Communicator) -> tuple[np.ndarray, np.ndarray]:
+        async def finish(dist: DistributedModel) -> np.ndarray:
+            await load_checkpoint(dist, tmp_path)
+            for batch in data[5:]:
+                await dist.step(split_batch(batch, comm.rank, comm.world_size))
+            full = await dist.full_parameters()
+            return np.concatenate([full[s.name].reshape(-1) for s in dist.model.param_specs()])
+
+        dist = as_distributed(MLP(SIZES, seed=3), comm, Adam(lr=0.01), compression=compression)
+        for batch in data[:3]:
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+        await save_checkpoint(dist, tmp_path)
+        for batch in data[3:5]:
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+        reused = await finish(dist)
+        fresh = await finish(as_distributed(MLP(SIZES, seed=3), comm, Adam(lr=0.01),
+                                            compression=compression))
+        return reused, fresh
+
+    for reused, fresh in await run_world(rank, 2, "memory"):
+        np.testing.assert_array_equal(reused, fresh)

@@ -432,12 +432,16 @@ class DistributedModel:
     def load_full_state(self, params: np.ndarray, buffers: dict[str, np.ndarray],
                         step: int, hyper: dict[str, Any] | None = None) -> None:
         """Take whole flat parameters and optimizer buffers (every rank the same) and keep
-        this rank's part: what loading a checkpoint saved with any number of ranks does."""
+        this rank's part: what loading a checkpoint saved with any number of ranks does.
+        Gradient compression's error-feedback residuals restart at zero."""
         lay, r = self.layout, self.rank
         if params.shape != (lay.size,):
             raise ValueError(f"expected {lay.size} parameters, got {params.shape}")
         self._started = True            # the loaded state is the same on every rank
         self._initial = None
+        # residuals of gradient compression are not part of the state: they restart at zero
+        # (not at what this wrapper dropped from the gradients it trained on before)
+        self.compression.reset()
         if self._params is not None:
             self._params[...] = params
         else:
