@@ -130,8 +130,11 @@ def valid_frames() -> list[tuple[str, Frame]]:
         ("data_empty_2d", array_frame(d, np.zeros((4, 0), dtype=np.int32), group=3, seq=2)),
         ("data_0d_int32", array_frame(d, np.array(-7, dtype=np.int32), group=3, seq=3,
                                       step=2)),
-        ("p2p_tagged_uint8", array_frame(p2p, np.array([1, 2, 255], dtype=np.uint8), seq=3,
-                                         tag=42, src=2)),
+        # SPEC 8.2: the first message rank 2 sends to its destination, user tag 42 in c
+        ("p2p_tagged_uint8", array_frame(p2p, np.array([1, 2, 255], dtype=np.uint8), seq=0,
+                                         src=2, sig=(42,))),
+        ("p2p_third_message_tag_0", array_frame(p2p, np.array([1.5], dtype=np.float64),
+                                                group=1, seq=2, src=1, sig=(0,))),
         ("data_sig_nested", array_frame(
             d, np.array([[513]], dtype=np.uint16), group=4, seq=9, step=1, src=1,
             sig=(1, (2, (3, None)), None, "x", (), -5))),

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,8 +24,14 @@ from conftest import LogWatch, settle_until
 
 import asynccoll
 from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
-from asynccoll.errors import AuthenticationError
-from asynccoll.handshake import ClientHandshake, client_handshake, client_proof
+from asynccoll.errors import AuthenticationError, ProtocolError
+from asynccoll.handshake import (
+    ClientHandshake,
+    client_handshake,
+    client_proof,
+    read_frame,
+    server_handshake,
+)
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer
 from asynccoll.transport.tcp import TcpTransport, tcp_init
 from asynccoll.wire import (
@@ -936,3 +944,61 @@ async def test_malformed_environment_names_the_variable(
         await asynccoll.init(backend="tcp", timeout=2.0)
     assert message in str(info.value)
     assert f"ASYNCCOLL_{message}" not in str(info.value) or message.startswith("ASYNCCOLL_")
+
+
+# ------------------------------------------------------------------------------ SPEC 8.2 (P2P)
+
+FRAME_VECTORS = json.loads((Path(__file__).resolve().parents[1] / "protocol" / "vectors"
+                            / "frames.json").read_text())
+
+
+async def test_p2p_frames_follow_spec_vectors_both_ways() -> None:
+    """A peer that speaks SPEC 8.2 from the vectors alone: rank 0 receives the vector
+    p2p_tagged_uint8 (from rank 2, tag 42 in c) through recv, and what rank 0 sends to rank 2
+    is P2P frames with s = t = 0, c = [tag] and q counting every message to rank 2 whatever
+    its tag."""
+    vector = next(v for v in FRAME_VECTORS["valid"] if v["name"] == "p2p_tagged_uint8")
+    assert vector["header"]["src"] == 2 and vector["header"]["group"] == 0
+    got: list[Frame] = []
+    arrived = asyncio.Event()
+
+    async def fake_rank_2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await server_handshake(reader, writer, TOKEN, timeout=5)
+            while (frame := await read_frame(reader, 1 << 20)) is not None:
+                got.append(frame)
+                arrived.set()
+        except (ConnectionError, ProtocolError):
+            pass
+        finally:
+            writer.close()
+
+    listener = await asyncio.start_server(fake_rank_2, "127.0.0.1", 0)
+    transport = TcpTransport(0, 3, token=TOKEN)
+    comm = Communicator(transport, timeout=10, backend="tcp")
+    try:
+        host, port = await transport.listen("127.0.0.1", 0)
+        transport.addresses[2] = listener.sockets[0].getsockname()[:2]
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await client_handshake(reader, writer, TOKEN, role="peer", rank=2, timeout=5)
+            writer.write(bytes.fromhex(vector["hex"]))
+            async with asyncio.timeout(5):
+                received = await comm.recv(2, tag=vector["header"]["sig"][0])
+            assert received.dtype.str == vector["header"]["dtype"]
+            assert received.tobytes().hex() == vector["payload_hex"]
+            for tag in (5, 9, 5):
+                await comm.send(np.array([tag], np.int32), 2, tag=tag)
+            async with asyncio.timeout(5):
+                while len([f for f in got if f.kind == FrameKind.P2P]) < 3:
+                    arrived.clear()
+                    await arrived.wait()
+        finally:
+            await comm.close()
+            await close_writer(writer)
+    finally:
+        listener.close()
+        await listener.wait_closed()
+    p2p = [f.header for f in got if f.kind == FrameKind.P2P]
+    assert [(h.group, h.seq, h.step, h.tag, h.src, h.sig) for h in p2p] == [
+        (0, 0, 0, 0, 0, (5,)), (0, 1, 0, 0, 0, (9,)), (0, 2, 0, 0, 0, (5,))]
