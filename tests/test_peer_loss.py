@@ -5,9 +5,11 @@ the whole world, as collectives require."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
+from conftest import settle_until
 
 import asynccoll
 from asynccoll import Communicator, PeerLostError
@@ -92,3 +94,29 @@ async def test_isolated_recv_timeout_gives_up_on_that_peer_only() -> None:
 async def test_bad_mode() -> None:
     with pytest.raises(ValueError, match="peer_loss"):
         await asynccoll.run_local(lambda c: asyncio.sleep(0), 2, "tcp", peer_loss="ignore")
+
+
+async def test_a_lost_peer_is_reported_once_in_a_crowded_world(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """In a crowded world every rank dials its own connection to each peer, so a peer that
+    dies drops two connections: the WARNING "lost connection to rank 1" came twice."""
+    from asynccoll.api import local_world
+
+    monkeypatch.setenv("ASYNCCOLL_LOCAL_WORLD_SIZE", "100000")  # more ranks than cores
+    c0, c1 = await local_world(2, "tcp", timeout=10)
+    try:
+        assert c0.transport.crowded
+        await asyncio.gather(c0.barrier(), c1.barrier())
+        assert len(c1.transport._open) == 2  # type: ignore[attr-defined]  # one each way
+        with caplog.at_level(logging.WARNING, logger="asynccoll"):
+            await crash(c1)
+            with pytest.raises(PeerLostError):
+                async with asyncio.timeout(5):
+                    await c0.all_reduce(np.ones(4))
+            await settle_until(lambda: not c0.transport._open)  # type: ignore[attr-defined]
+    finally:
+        await c0.close()
+        await c1.close()
+    lost = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("rank 0: lost connection to rank 1")]
+    assert len(lost) == 1, lost

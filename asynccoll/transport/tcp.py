@@ -988,7 +988,9 @@ class TcpTransport(Transport):
                 self.mailbox.peer_lost(peer, err)
             return
         reason = f": {exc}" if exc else ""
-        log.warning("rank %d: lost connection to rank %d%s", self.rank, peer, reason)
+        # (a crowded world has two connections with each peer: one fault, one warning)
+        level = logging.DEBUG if peer in self.mailbox._lost else logging.WARNING
+        log.log(level, "rank %d: lost connection to rank %d%s", self.rank, peer, reason)
         err = PeerLostError(f"lost the connection to world rank {peer}{reason}", rank=peer)
         self.mailbox.peer_lost(peer, err)
         if self.peer_loss == "abort":
