@@ -112,11 +112,14 @@ async def run_local(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
     finally:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await uncancelled(_close_all(comms))  # every one, even if run_local is cancelled now
+        # every one closed, even if run_local is cancelled now (also while it waits for the
+        # rank tasks to end: cancelled there, it would never close the world)
+        await uncancelled(_end_all(tasks, comms))
 
 
-async def _close_all(comms: list[Communicator]) -> None:
+async def _end_all(tasks: list[asyncio.Task[Any]], comms: list[Communicator]) -> None:
+    """Wait for the (cancelled) rank tasks to end, then close every communicator."""
+    await asyncio.gather(*tasks, return_exceptions=True)
     for c in comms:
         await c.close()
 

@@ -191,3 +191,38 @@ async def test_a_dropped_subgroup_keeps_no_world_alive(backend: str, timeout: fl
     loop = asyncio.get_running_loop()
     assert not [h for h in loop._scheduled  # type: ignore[attr-defined]
                 if not h.cancelled() and h.when() == float("inf")]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux's /proc")
+@pytest.mark.timeout(60)
+async def test_cancelling_a_tcp_world_as_its_ranks_return_closes_it() -> None:
+    """``run_local(..., "tcp")`` cancelled in the turns after every rank returned (while it
+    collects the rank tasks, before it closes the world): the world is closed all the same
+    (it was left open, with its listeners, connections and rendezvous server, about once in
+    a few hundred cancels at random delays)."""
+    returned: list[int] = []
+    all_returned = asyncio.Event()
+
+    async def fn(comm: Communicator) -> int:
+        returned.append(comm.rank)
+        if len(returned) == 2:
+            all_returned.set()
+        return comm.rank
+
+    await asynccoll.run_local(fn, 2, "tcp")
+    listening = _listening()
+    for turns in range(8):
+        returned.clear()
+        all_returned.clear()
+        task = asyncio.ensure_future(asynccoll.run_local(fn, 2, "tcp"))
+        await all_returned.wait()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert _listening() <= listening, f"a world left open when cancelled {turns} turns after"
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert not others, others
+    with warnings.catch_warnings():  # anything left is finalised here, not in a later test
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
