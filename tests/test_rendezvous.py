@@ -875,3 +875,13 @@ async def test_rendezvous_vectors_replayed_byte_for_byte() -> None:
                     assert await reader.read() == b"", case["name"]
             finally:
                 await raw_close(writer)
+
+
+async def test_response_over_the_clients_own_limit_names_that_limit(
+        server: RendezvousServer, client: RendezvousClient) -> None:
+    # a value the server holds that is larger than a second client accepts: that client's
+    # error says which limit it was (not only that the server "broke the protocol")
+    await client.set("big", bytes(4096))
+    async with await connect(server, max_value_bytes=1024) as small:
+        with pytest.raises(RendezvousError, match="max_value_bytes is 1024"):
+            await small.get("big")

@@ -218,9 +218,11 @@ class RendezvousClient:
                 elif not fut.done():
                     fut.set_result((meta, frame.payload))
         except ProtocolError as exc:
+            # (a response larger than this client accepts reads the same way: say so)
+            why = f"{exc} (this client's max_value_bytes is {self._max_value_bytes})"
             logger.warning("rendezvous: the server at %s broke the protocol: %s", self._address,
-                           exc)
-            self._fail(f"the rendezvous server at {self._address} broke the protocol: {exc}")
+                           why)
+            self._fail(f"the rendezvous server at {self._address} broke the protocol: {why}")
         except (ConnectionError, OSError) as exc:
             if not self._closed:
                 logger.debug("rendezvous: connection to the server at %s lost: %s",
