@@ -226,3 +226,32 @@ async def test_cancelling_a_tcp_world_as_its_ranks_return_closes_it() -> None:
     with warnings.catch_warnings():  # anything left is finalised here, not in a later test
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux's /proc")
+@pytest.mark.timeout(60)
+async def test_cancelling_a_forming_tcp_world_twice_leaks_nothing() -> None:
+    """``run_local(..., "tcp")`` cancelled while its ranks connect, and cancelled again while
+    it cleans up (a second Ctrl-C, a task group shutting down): every clean-up still runs to
+    its end (the second cancel used to stop it halfway, leaving rendezvous servers, clients
+    and listeners open about every other time)."""
+    async def fn(comm: Communicator) -> int:
+        return comm.rank
+
+    await asynccoll.run_local(fn, 3, "tcp")
+    listening = _listening()
+    for delay_ms in (0, 1, 2, 3, 5, 8):
+        for turns in (1, 3, 6):
+            task = asyncio.ensure_future(asynccoll.run_local(fn, 3, "tcp"))
+            await asyncio.sleep(delay_ms / 1000)
+            task.cancel()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            assert not others, (delay_ms, turns, others)
+            assert _listening() <= listening, (delay_ms, turns)
+    with warnings.catch_warnings():  # anything left is finalised here, not in a later test
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()

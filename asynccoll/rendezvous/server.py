@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._aio import close_server, wait_server_closed
+from .._aio import close_server, uncancelled, wait_server_closed
 from ..errors import ProtocolError
 from ..handshake import read_frame, server_handshake, write_frame
 from ..wire import Frame, FrameHeader, FrameKind
@@ -189,7 +189,7 @@ class RendezvousServer:
                                                       start_serving=False)
             await self._server.start_serving()
         except BaseException:  # cannot bind, or cancelled: nothing is left running
-            await self.close()
+            await uncancelled(self.close())  # (all of it, even if cancelled again meanwhile)
             raise
         sockname = self._server.sockets[0].getsockname()
         self._address = (sockname[0], sockname[1])

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from .._aio import close_server, wait_server_closed
+from .._aio import close_server, uncancelled, wait_server_closed
 from ..algorithms import POLL_READS, power_of_two_fold
 from ..collectives import Communicator, check_timeout
 from ..errors import (
@@ -1224,12 +1224,16 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         transport.crowded = world_crowded(members.values())
         await transport.connect_peers(startup_peers(rank, world_size))
     except BaseException:
-        if transport is not None:
-            await transport.close()
-        if client is not None:
-            await client.close()
-        if server is not None:
-            await server.close()
+        async def clean_up() -> None:
+            if transport is not None:
+                await transport.close()
+            if client is not None:
+                await client.close()
+            if server is not None:
+                await server.close()
+
+        # all of it, even if cancelled (again) meanwhile: a close cut short skips the rest
+        await uncancelled(clean_up())
         raise
 
     async def close_rendezvous() -> None:
@@ -1296,24 +1300,26 @@ async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
         rank=r, world_size=world_size, addr="127.0.0.1", port=server.port, timeout=timeout,
         token=token, tuning=tuning, host_rendezvous=False, max_payload=max_payload,
         peer_loss=peer_loss)) for r in range(world_size)]
+
+    async def close_all() -> None:
+        for c in await asyncio.gather(*ranks, return_exceptions=True):
+            if isinstance(c, Communicator):
+                await c.close()
+        await server.close()
+
     try:
         await asyncio.wait(ranks)
     except BaseException:  # cancelled while forming: the ranks formed so far are closed too
         for task in ranks:
             task.cancel()
-        for c in await asyncio.gather(*ranks, return_exceptions=True):
-            if isinstance(c, Communicator):
-                await c.close()
-        await server.close()
+        await uncancelled(close_all())  # (even if cancelled again meanwhile)
         raise
-    comms = [task.exception() or task.result() for task in ranks]
-    failed = [c for c in comms if isinstance(c, BaseException)]
-    good = [c for c in comms if isinstance(c, Communicator)]
-    if failed:
-        for c in good:
-            await c.close()
-        await server.close()
-        raise failed[0]
+    failed = next((exc for exc in (task.exception() for task in ranks) if exc is not None),
+                  None)
+    if failed is not None:
+        await uncancelled(close_all())
+        raise failed
+    good = [task.result() for task in ranks]
     good[0].transport._on_close.append(server.close)  # type: ignore[attr-defined]
     return good
 
