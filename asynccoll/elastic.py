@@ -23,6 +23,9 @@ Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezv
 - ``elastic/G/crowded/R``: ``1`` if rank R shares a core with another rank, else ``0`` (set
   before its address; any ``1`` makes the generation's world crowded, see
   ``Tuning.crowded_segment_bytes``).
+- ``elastic/swept``: the first generation whose keys are still in the store. Rank 0 of every
+  new generation G deletes the keys of the generations before G-1 (those a job no longer
+  reads), so a long job keeps a few generations' keys, not every one.
 
 A process that finds generation G already closed without it asks for G+1 (unless G is full,
 then it waits as a spare for the next generation); the running members see the newer round at
@@ -295,7 +298,43 @@ class ElasticGroup:
             self.generation, self.comm = gen, comm
             log.info("elastic: %s is rank %d of %d in generation %d", self.id, gen.rank,
                      gen.world_size, g)
+            if gen.rank == 0:
+                await self._sweep(g - 1)
             return comm
+
+    async def _sweep(self, below: int) -> None:
+        """Delete the keys of the generations before ``below`` that no earlier sweep took
+        (``elastic/swept``: the first generation whose keys are still there), so that a
+        long job's store holds a few generations, not all of them. Rank 0 of each new
+        generation sweeps up to the one before the previous: by the time a generation has
+        formed, nobody reads those any more (a straggler still looking at one finds it gone,
+        as it would find it closed without it, and moves on to the newest)."""
+        c = self.client
+        key = f"{PREFIX}/swept"
+        try:
+            start = int(await c.get(key, wait=False))
+        except KeyError:
+            start = 0
+        if start >= below:
+            return
+        ok, _ = await c.compare_set(key, str(start).encode() if start else None,
+                                    str(below).encode())
+        if not ok:  # another member swept meanwhile
+            return
+        for h in range(start, below):
+            base = f"{PREFIX}/{h}"
+            try:
+                joined = int(await c.get(f"{base}/joined", wait=False))
+            except KeyError:
+                joined = 0
+            try:
+                members = len(json.loads(await c.get(f"{base}/closed", wait=False)))
+            except KeyError:
+                members = 0
+            keys = [f"{base}/m/{i}" for i in range(joined)] + [f"{base}/joined", f"{base}/closed"]
+            keys += [f"{base}/{kind}/{r}" for r in range(members) for kind in ("addr", "crowded")]
+            for k in keys:
+                await c.delete(k)
 
     async def world_changed(self) -> bool:
         """Whether a newer generation is open (a member asked to join, or one failed)."""

@@ -266,3 +266,35 @@ async def test_commit_before_start_is_a_clear_error() -> None:
                 await trainer.commit()
     finally:
         await server.close()
+
+
+@pytest.mark.timeout(60)
+async def test_old_generations_leave_no_keys_behind() -> None:
+    """A job that reforms again and again keeps the keys of its last generations only: rank 0
+    of each new generation deletes those before the previous one (``elastic/swept``)."""
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    rdv = f"127.0.0.1:{server.port}"
+    try:
+        groups = [await ElasticGroup.connect(min_nodes=2, max_nodes=2, settle=0.05,
+                                             timeout=10.0, rendezvous=rdv) for _ in range(2)]
+        try:
+            counts = []
+            for _ in range(8):
+                comms = await asyncio.gather(*(g.form() for g in groups))
+                x = [np.full(3, c.rank + 1.0) for c in comms]
+                await asyncio.gather(*(c.all_reduce(a) for c, a in zip(comms, x, strict=True)))
+                assert all((a == 3.0).all() for a in x)  # the world works
+                counts.append(await groups[0].client.num_keys())
+            last = groups[0].generation
+            assert last is not None and last.number == 7
+            # generations 6 and 7 (9 keys each with 2 members), round and swept
+            assert counts[-1] == counts[-2] <= 2 * 9 + 2, counts
+            for h in range(6):
+                with pytest.raises(KeyError):
+                    await groups[0].client.get(f"elastic/{h}/closed", wait=False)
+            assert await groups[0].client.get("elastic/6/closed", wait=False)
+        finally:
+            await asyncio.gather(*(g.close() for g in groups))
+    finally:
+        await server.close()
