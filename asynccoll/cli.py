@@ -272,8 +272,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ rendezvous
 
+async def _serve_announced(host: str, port: int, token: str | None) -> None:
+    """``rendezvous.serve`` that says where it listens, on stdout (with ``--port 0`` that is
+    the only way to know)."""
+    from .rendezvous import RendezvousServer
+
+    async with RendezvousServer(host, port, token=token) as server:
+        print(f"asynccoll rendezvous: listening on {server.host}:{server.port}", flush=True)
+        await asyncio.get_running_loop().create_future()  # until Ctrl-C
+
+
 def _cmd_rendezvous(args: argparse.Namespace) -> int:
-    from .rendezvous import serve
 
     if not 0 <= args.port <= 65535:  # the kernel would take it modulo 65536
         sys.stderr.write(f"asynccoll rendezvous: --port must be 0-65535, got {args.port}\n")
@@ -283,7 +292,7 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
         log.warning("no token: any process that can reach %s:%d can join", args.host, args.port)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            _run_loop(serve(args.host, args.port, token))
+            _run_loop(_serve_announced(args.host, args.port, token))
     except OSError as exc:  # the address is taken, not ours, or not an address
         sys.stderr.write(f"asynccoll rendezvous: cannot listen on {args.host}:{args.port}: "
                          f"{exc}\n")

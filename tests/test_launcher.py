@@ -324,13 +324,14 @@ def test_ctrl_c_stops_everything(reaper: Callable[..., Proc]) -> None:
 
 # ------------------------------------------------------------------ without the launcher
 
-LISTENING = re.compile(r"rendezvous server listening on [^\s:]+:(\d+)")
+LISTENING = re.compile(r"^asynccoll rendezvous: listening on [^\s:]+:(\d+)$", re.M)
 
 
 def test_standalone_rendezvous_and_hand_started_ranks(reaper: Callable[..., Proc]) -> None:
     token = "hand-started-token"
-    # port 0: the server picks a free port and logs it (-v: INFO), so nothing can race us for it
-    rdv = reaper([sys.executable, "-m", "asynccoll", "-v", "rendezvous", "--port", "0",
+    # port 0: the server picks a free port and says which on stdout, so nothing can race us
+    # for it
+    rdv = reaper([sys.executable, "-m", "asynccoll", "rendezvous", "--port", "0",
                   "--token", token])
     assert rdv.wait_for(lambda lines: any(LISTENING.search(x) for x in lines), 30), rdv.output
     match = LISTENING.search(rdv.output)
