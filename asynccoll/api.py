@@ -158,7 +158,8 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
         given = [n for n, v in (("addr", addr), ("port", port), ("token", token)) if v is not None]
         if given:
             raise ValueError(f"the mpi backend takes its world from MPI (mpirun/mpiexec); "
-                             f"{', '.join(given)} do not apply to it")
+                             f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} "
+                             f"not apply to it")
         from .transport.mpi import mpi_init
 
         return await mpi_init(rank=rank, world_size=world_size, timeout=timeout, tuning=tuning,

@@ -714,3 +714,25 @@ async def test_non_native_byte_order_is_handled_or_refused(backend, what):
         else:
             assert_array_equal(np.asarray(got, np.float64), exp, err_msg=f"rank {r}")
 
+
+
+async def test_init_mpi_names_the_arguments_that_do_not_apply() -> None:
+    with pytest.raises(ValueError, match=r"; addr does not apply to it$"):
+        await asynccoll.init(backend="mpi", addr="127.0.0.1")
+    with pytest.raises(ValueError, match=r"; addr and port do not apply to it$"):
+        await asynccoll.init(backend="mpi", addr="127.0.0.1", port=1234)
+
+
+def test_abort_with_a_bool_for_the_lost_rank_names_no_rank() -> None:
+    from asynccoll.transport.base import error_from_abort
+    from asynccoll.wire import Frame, FrameHeader, FrameKind
+
+    def lost(value: Any) -> int | None:
+        meta = {"reason": "gone", "error": "PeerLostError", "lost": value}
+        exc, _ = error_from_abort(Frame(FrameKind.ABORT, FrameHeader(src=1, meta=meta), b""))
+        assert isinstance(exc, asynccoll.PeerLostError)
+        return exc.rank
+
+    assert lost(3) == 3
+    assert lost(True) is None  # a bool is not a rank (True would read as rank 1)
+    assert lost("3") is None

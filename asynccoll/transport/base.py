@@ -450,7 +450,7 @@ def error_from_abort(frame: Frame) -> tuple[CollectiveError, Scope | None]:
     scope = (group, seq) if type(group) is int and type(seq) is int else None
     if meta.get("error") == "PeerLostError":
         lost = meta.get("lost")
-        return PeerLostError(message, rank=lost if isinstance(lost, int) else None), None
+        return PeerLostError(message, rank=lost if type(lost) is int else None), None
     return CollectiveError(message), scope
 
 
