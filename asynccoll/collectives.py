@@ -868,9 +868,13 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        self._watchdog.stop()
         if self._owns_transport:
+            self._watchdog.stop()  # (its calls in flight fail as the transport closes)
             await self._transport.close()
+        elif not self._watchdog._calls:
+            self._watchdog.stop()
+        # else: a group's calls in flight go on (nothing closes underneath) and keep their
+        # timeout; the watchdog's timer stops once they ended
 
     async def __aenter__(self) -> Communicator:
         return self

@@ -165,6 +165,37 @@ async def test_a_closed_communicator_keeps_no_timer() -> None:
         assert comm._watchdog._handle is None  # run_local closed it
 
 
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+@pytest.mark.timeout(30)
+async def test_a_group_closed_under_its_collective_keeps_its_timeout(backend: str) -> None:
+    """A group closed while one of its collectives waits for a peer that never comes: the
+    collective still raises CollectiveTimeout after the group's timeout (closing the group
+    stopped its watchdog, and the collective waited for ever), and the timer goes after it."""
+    async def fn(comm: Communicator) -> float | None:
+        group = await comm.new_group([0, 1])
+        if comm.rank == 1:
+            await asyncio.sleep(1.5)  # never calls the group's all_reduce in time
+            return None
+        assert group is not None
+        start = time.monotonic()
+        call = asyncio.ensure_future(group.all_reduce(np.ones(4)))
+        await asyncio.sleep(0.05)
+        await group.close()
+        with pytest.raises(asynccoll.CollectiveTimeout):
+            await asyncio.wait_for(call, 1.2)
+        await asyncio.sleep(0.3)
+        assert group._watchdog._handle is None
+        return time.monotonic() - start
+
+    comms = await asynccoll.api.local_world(2, backend, timeout=0.5)
+    try:
+        took, _ = await asyncio.gather(*(fn(c) for c in comms))
+    finally:
+        for c in comms:
+            await c.close()
+    assert took is not None and took < 1.5
+
+
 @pytest.mark.parametrize(("backend", "timeout"), [("memory", float("inf")), ("memory", 600.0),
                                                   ("tcp", 600.0)])
 async def test_a_dropped_subgroup_keeps_no_world_alive(backend: str, timeout: float) -> None:
