@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -25,6 +26,18 @@ async def _memory_world(world_size: int, *, timeout: float, tuning: Tuning | Non
     world = MemoryWorld(world_size)
     return [Communicator(t, timeout=timeout, tuning=tuning, backend="memory")
             for t in world.transports]
+
+
+def _check_options(where: str, options: dict[str, Any], *takers: Callable[..., Any]) -> None:
+    """A ``TypeError`` naming ``where`` (not an internal function) and the options it takes
+    when ``options`` holds one that none of ``takers`` (the functions they go to) accepts."""
+    known = {name for fn in takers for name, p in inspect.signature(fn).parameters.items()
+             if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{where} got unexpected option{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))}; it takes "
+                        f"{', '.join(sorted(known)) or 'none'}")
 
 
 def _staged(comms: list[Communicator], gpu_staging: bool) -> list[Communicator]:
@@ -56,6 +69,7 @@ async def local_world(world_size: int, backend: str = "memory", *, timeout: floa
     if backend == "tcp":
         from .transport.tcp import tcp_local_world
 
+        _check_options(f"backend {backend!r}", options, tcp_local_world)
         return _staged(await tcp_local_world(world_size, timeout=timeout, tuning=tuning,
                                              **options), gpu_staging)
     if backend in BACKENDS:
@@ -148,6 +162,7 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
         from .transport.tcp import tcp_init
 
         gpu_staging = bool(options.pop("gpu_staging", False))
+        _check_options("init(backend='tcp')", options, tcp_init)
         comm = await tcp_init(rank=rank, world_size=world_size, addr=addr, port=port,
                               timeout=timeout, token=token, tuning=tuning, **options)
         return _staged([comm], gpu_staging)[0]
@@ -162,11 +177,14 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
                              f"not apply to it")
         from .transport.mpi import mpi_init
 
+        _check_options("init(backend='mpi')", options, mpi_init)
         return await mpi_init(rank=rank, world_size=world_size, timeout=timeout, tuning=tuning,
                               **options)
     if backend == "nccl":
         from .transport.nccl import nccl_init
+        from .transport.tcp import tcp_init
 
+        _check_options("init(backend='nccl')", options, nccl_init, tcp_init)
         return await nccl_init(rank=rank, world_size=world_size, addr=addr, port=port,
                                timeout=timeout, token=token, tuning=tuning, **options)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")

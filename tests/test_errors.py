@@ -736,3 +736,19 @@ def test_abort_with_a_bool_for_the_lost_rank_names_no_rank() -> None:
     assert lost(3) == 3
     assert lost(True) is None  # a bool is not a rank (True would read as rank 1)
     assert lost("3") is None
+
+
+@pytest.mark.parametrize("backend", ["tcp", "mpi", "nccl"])
+async def test_init_names_an_unknown_option_and_the_known_ones(backend: str) -> None:
+    with pytest.raises(TypeError, match=rf"init\(backend='{backend}'\) got unexpected option "
+                                        r"'bogus'; it takes .*timeout"):
+        await asynccoll.init(backend, rank=0, world_size=1, bogus=1)
+
+
+async def test_run_local_names_an_unknown_option() -> None:
+    async def fn(comm: Communicator) -> None:
+        raise AssertionError("not reached")
+
+    with pytest.raises(TypeError, match=r"backend 'tcp' got unexpected options 'a', 'b'; "
+                                        r"it takes .*peer_loss"):
+        await asynccoll.run_local(fn, 2, "tcp", a=1, b=2)
