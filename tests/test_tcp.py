@@ -529,6 +529,39 @@ async def test_collective_timeout_on_tcp(n: int) -> None:
                 await c.all_reduce(np.ones(100))
 
 
+async def test_unauthenticated_bytes_do_not_hold_off_a_collective_timeout() -> None:
+    """Bytes of connections that never authenticate are no progress: an outsider trickling
+    them into a rank's port (a fresh connection each time, no token) must not keep a stuck
+    collective from raising CollectiveTimeout."""
+    timeout = 1.0
+    async with tcp_world(2, timeout=timeout) as (_, comms):
+        host, port = peer_address(comms[0])
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        async def trickle() -> int:
+            sent = 0
+            while not stop.is_set():
+                _, writer = await asyncio.open_connection(host, port)
+                writer.write(MAGIC[:1])  # one byte of a prefix that never completes
+                await writer.drain()
+                sent += 1
+                await asyncio.sleep(0.05)
+                await close_writer(writer)
+            return sent
+
+        attacker = asyncio.create_task(trickle())
+        start = loop.time()
+        try:
+            with pytest.raises(CollectiveTimeout):  # rank 1 never joins the all_reduce
+                await asyncio.wait_for(comms[0].all_reduce(np.ones(4)), 4 * timeout)
+        finally:
+            stop.set()
+            sent = await attacker
+        assert loop.time() - start < timeout + 1.0
+        assert sent >= 10  # the outsider was at it all along
+
+
 # ------------------------------------------------------------------------------ large messages
 
 @pytest.mark.timeout(90)

@@ -299,18 +299,34 @@ class _Connection(asyncio.BufferedProtocol):
         return self.reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if not self.authenticated:
+            self._unauthenticated_bytes(nbytes)
+            return
         owner = self.owner  # the bytes counted (inline: this runs for every read)
         owner.bytes_received += nbytes
         if self.peer is not None:
             owner.received_from[self.peer] += nbytes
         try:
-            if not self.authenticated:
-                self._handshake_bytes(nbytes)
-                return
             for frame in self.reader.buffer_updated(nbytes):
                 self._on_frame(frame)
         except (ProtocolError, AuthenticationError) as exc:
             self._protocol_failure(exc)
+
+    def _unauthenticated_bytes(self, nbytes: int) -> None:
+        """``buffer_updated`` before the handshake is over. The bytes count as progress (the
+        watchdog's) only once the peer proved it knows the token: anyone who can reach the
+        port could otherwise keep a stuck collective from ever timing out by trickling bytes
+        into new connections."""
+        try:
+            self._handshake_bytes(nbytes)
+        except (ProtocolError, AuthenticationError) as exc:
+            self._protocol_failure(exc)
+            return
+        if self.authenticated:  # (the read that finished it, and any frames behind it)
+            owner = self.owner
+            owner.bytes_received += nbytes
+            if self.peer is not None:
+                owner.received_from[self.peer] += nbytes
 
     def _handshake_bytes(self, nbytes: int) -> None:
         """Bytes of a connection still in its handshake. The reader hands them over a frame
