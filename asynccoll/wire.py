@@ -735,7 +735,7 @@ class BufferedFrameReader:
     REDUCE_READ_BYTES: Final = 256 * 1024
 
     def __init__(self, sink: PayloadSink | None = None, *, max_payload: int = 0,
-                 one_frame: bool = False) -> None:
+                 one_frame: bool = False, stage_bytes: int = STAGE_BYTES) -> None:
         self.sink = sink
         self.max_payload = max_payload
         #: return after each complete frame, leaving later bytes staged for the next call
@@ -743,7 +743,9 @@ class BufferedFrameReader:
         #: ``max_payload`` between one frame and the next, and the peer may write its first
         #: frames right behind the handshake's last
         self.one_frame = one_frame
-        self._stage = bytearray(self.STAGE_BYTES)
+        #: (``stage_bytes`` smaller than STAGE_BYTES: a connection that has not authenticated
+        #: yet costs no more than the bytes it sent; ``grow`` once it has)
+        self._stage = bytearray(max(stage_bytes, PREFIX_SIZE))
         self._view = memoryview(self._stage)
         self._start = 0
         self._end = 0
@@ -770,11 +772,25 @@ class BufferedFrameReader:
             return self._pieces.data[carry:carry + min(left, self.REDUCE_READ_BYTES - carry)]
         if self._head_only:
             return self._view[self._end:self._end + self.HEAD_READ_BYTES]
-        if self.STAGE_BYTES - self._end < PREFIX_SIZE + MAX_HEADER_BYTES:
+        size = len(self._stage)
+        if size - self._end < PREFIX_SIZE + MAX_HEADER_BYTES:
             n = self._end - self._start
             self._stage[:n] = self._stage[self._start:self._end]
             self._start, self._end = 0, n
+            if n == size:  # a small staging buffer full of one frame's head: room for any
+                self.grow(max(2 * size, PREFIX_SIZE + MAX_HEADER_BYTES))
         return self._view[self._end:]
+
+    def grow(self, size: int = STAGE_BYTES) -> None:
+        """Make the staging buffer ``size`` bytes long (never shorter), keeping what it
+        holds. Not between ``get_buffer`` and the ``buffer_updated`` that reports on it."""
+        if size <= len(self._stage):
+            return
+        n = self._end - self._start
+        stage = bytearray(size)
+        stage[:n] = self._view[self._start:self._end]
+        self._stage, self._view = stage, memoryview(stage)
+        self._start, self._end = 0, n
 
     def get_buffer_for(self, frame_bytes: int) -> memoryview:
         """``get_buffer`` for a caller that expects the next frame to be ``frame_bytes``
@@ -787,7 +803,7 @@ class BufferedFrameReader:
                 or self._start != self._end):
             return self.get_buffer()
         self._start = self._end = 0  # nothing staged: all of the buffer is free
-        return self._view[:min(frame_bytes, self.STAGE_BYTES)]
+        return self._view[:min(frame_bytes, len(self._stage))]
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """Account for ``nbytes`` written into the last buffer; return completed frames.

@@ -415,6 +415,40 @@ async def test_hostile_connections_while_the_world_works(logs: LogWatch) -> None
         assert TOKEN not in "\n".join(logs.messages(logging.DEBUG))
 
 
+async def test_connections_that_have_not_authenticated_cost_little_memory() -> None:
+    """Anyone who can reach a rank's port may open connections without the token; until they
+    authenticate (or time out) each must cost the rank little memory, not a full staging
+    buffer (256 KiB each: 2000 silent connections took 500 MB)."""
+    import tracemalloc
+
+    async with tcp_world(2) as (_, comms):
+        transport = comms[0].transport
+        assert isinstance(transport, TcpTransport)
+        host, port = peer_address(comms[0])
+        before = len(transport._open)
+        n = 40
+        tracemalloc.start()
+        writers = []
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(n):
+                _, writer = await asyncio.open_connection(host, port)
+                writers.append(writer)
+            writers[0].write(MAGIC)  # one of them starts a frame: it is read
+            await settle_until(lambda: len(transport._open) == before + n, 5.0)
+            await asyncio.sleep(0.05)
+            per_connection = (tracemalloc.get_traced_memory()[0] - base) / n
+        finally:
+            tracemalloc.stop()
+            for writer in writers:
+                await close_writer(writer)
+        assert per_connection < 32 << 10, per_connection
+        # and the world, whose connections grew their buffers once authenticated, works
+        got = await asyncio.gather(*(c.all_reduce(np.full(300_000, 1.0)) for c in comms))
+        for a in got:
+            np.testing.assert_array_equal(a, np.full(300_000, 2.0))
+
+
 # ------------------------------------------------------------------------------ failures
 
 def _kill_in_process(comm: Communicator) -> None:

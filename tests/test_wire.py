@@ -870,6 +870,44 @@ def test_reader_one_frame_at_a_time_applies_later_settings_to_later_frames() -> 
         reader.buffer_updated(len(stream))
 
 
+@pytest.mark.parametrize("stage", [wire.PREFIX_SIZE, 100, 4096])
+@pytest.mark.parametrize("reads", [[1], [7, 300], [1 << 20]])
+def test_a_small_staging_buffer_grows_for_long_heads(stage: int, reads: list[int]) -> None:
+    """A reader started with a small staging buffer (a connection not yet authenticated)
+    reads heads up to the protocol's longest, whatever the read sizes, and after ``grow``
+    (midway, with bytes staged) goes on reading the stream where it was."""
+    longest = wire.MAX_HEADER_BYTES - 64
+    hello = [wire.Frame(FrameKind.HELLO, FrameHeader(meta={"job": "j" * n}), b"")
+             for n in (10, 5000, longest)]
+    payload = np.arange(3000, dtype=np.float32).tobytes()
+    data = wire.Frame(FrameKind.DATA, FrameHeader(group=0, seq=1, step=1, src=1, dtype="<f4",
+                                                  shape=(3000,), sig=("x",)), payload)
+    handshake = b"".join(wire.encode_frame_bytes(f) for f in hello)
+    assert len(wire.encode_frame_bytes(hello[-1])) > wire.MAX_HEADER_BYTES - 64
+    stream = handshake + wire.encode_frame_bytes(data) * 2
+    reader = wire.BufferedFrameReader(max_payload=0, one_frame=True, stage_bytes=stage)
+    assert reader.get_buffer().nbytes <= max(stage, wire.PREFIX_SIZE)
+    got: list[wire.Frame] = []
+    pos = k = 0
+    while pos < len(stream):
+        buf = reader.get_buffer()
+        n = min(buf.nbytes, reads[k % len(reads)], len(stream) - pos)
+        k += 1
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        frames = reader.buffer_updated(n)
+        while frames:
+            got += frames
+            if len(got) == len(hello):  # authenticated: full size, payloads allowed
+                reader.grow()
+                reader.max_payload, reader.one_frame = 1 << 20, False
+            frames = reader.buffer_updated(0)
+    assert reader.idle
+    assert [f.header.meta for f in got[:3]] == [f.header.meta for f in hello]
+    assert [bytes(f.payload) for f in got[3:]] == [payload, payload]
+    assert reader.get_buffer().nbytes == wire.BufferedFrameReader.STAGE_BYTES
+
+
 # ------------------------------------------------- the stream reader against the decoder
 
 def _reader_outcome(data: bytes, reads: list[int], max_payload: int
