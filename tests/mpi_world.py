@@ -280,3 +280,75 @@ async def test_mpi_closed_communicator_and_bytes_sent() -> None:
 
     for before, after in await run_world(fn, W, "mpi"):
         assert after - before == 80
+
+
+async def test_mpi_closing_a_group_lets_its_calls_in_flight_finish() -> None:
+    """As on memory and tcp, a subgroup closed while one of its collectives waits for a late
+    peer does not cut it short: the call completes (here a float all_reduce, whose second MPI
+    stage is issued after the close) and the world stays usable. It used to issue on the freed
+    communicator: MPI_ERR_COMM, and the whole world broken."""
+    async def fn(comm: Communicator) -> tuple[Any, Any, list[float]]:
+        sub = await comm.new_group([2, 0, 1])
+        assert sub is not None
+        a = np.full(5, comm.rank + 1.0)
+        b = np.full(3, comm.rank, np.int64)
+        if comm.rank == 0:
+            calls = asyncio.gather(sub.all_reduce(a), sub.all_gather(b))
+            await asyncio.sleep(0.3)
+            await sub.close()
+            got = await calls
+        else:
+            await asyncio.sleep(0.8)
+            got = await asyncio.gather(sub.all_reduce(a), sub.all_gather(b))
+            await sub.close()
+        world = await comm.all_reduce(np.ones(2))
+        return got[0], got[1], world.tolist()
+
+    for r, (reduced, gathered, world) in enumerate(await run_world(fn, W, "mpi", timeout=10.0)):
+        np.testing.assert_array_equal(reduced, np.full(5, 6.0), err_msg=f"rank {r}")
+        np.testing.assert_array_equal(gathered, np.repeat([2, 0, 1], 3), err_msg=f"rank {r}")
+        assert world == [3.0, 3.0], f"rank {r}"
+
+
+async def test_mpi_closing_the_world_fails_calls_in_flight_and_tells_the_others() -> None:
+    """As on memory and tcp, closing the world communicator while calls wait (on it, on a
+    subgroup, a recv) makes them raise CommunicatorClosedError at once, and a subgroup of the
+    closed world is closed too; the other ranks' calls raise CollectiveError promptly. They
+    used to wait for their whole timeout (CollectiveTimeout), and the subgroup kept working."""
+    async def fn(comm: Communicator) -> list[tuple[str, float]]:
+        sub = await comm.new_group([1, 0, 2])
+        assert sub is not None
+        t0 = time.monotonic()
+        out = []
+        if comm.rank == 0:
+            calls = [asyncio.ensure_future(c) for c in (
+                comm.all_reduce(np.ones(4)), sub.broadcast(np.ones(3), root=2),
+                comm.recv(1, tag=5))]
+            await asyncio.sleep(0.3)
+            await comm.close()
+            for call in calls:
+                try:
+                    await call
+                    out.append(("no error", 0.0))
+                except CollectiveError as exc:
+                    out.append((type(exc).__name__, time.monotonic() - t0))
+            try:
+                await sub.barrier()
+            except CollectiveError as exc:
+                out.append((type(exc).__name__, 0.0))
+        else:
+            await asyncio.sleep(0.6)
+            try:
+                await comm.all_reduce(np.ones(4))
+                out.append(("no error", 0.0))
+            except CollectiveError as exc:
+                out.append((type(exc).__name__ + ": " + str(exc), time.monotonic() - t0))
+        return out
+
+    got = await run_world(fn, W, "mpi", timeout=8.0)
+    assert [name for name, _ in got[0]] == ["CommunicatorClosedError"] * 4, got[0]
+    assert all(dt < 1.5 for _, dt in got[0]), got[0]
+    for r in (1, 2):
+        (msg, dt), = got[r]
+        assert msg.startswith("CollectiveError") and "closed" in msg, f"rank {r}: {msg}"
+        assert dt < 3.0, f"rank {r} waited {dt:.1f} s: its timeout, not the abort message"

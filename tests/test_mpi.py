@@ -159,6 +159,20 @@ async def test_mpi_backend_without_mpi4py_names_the_extra(monkeypatch: pytest.Mo
         await asynccoll.init(backend="mpi")
 
 
+@pytest.mark.parametrize(("timeout", "error"), [(-1, ValueError), (float("nan"), ValueError),
+                                              ("5", TypeError), (None, TypeError),
+                                              (True, TypeError)])
+async def test_mpi_init_checks_timeout_as_tcp_does(monkeypatch: pytest.MonkeyPatch,
+                                                   timeout: object, error: type) -> None:
+    """Checked before MPI is touched (mpi4py blocked here): -1 used to fail MPI's start-up
+    with a CollectiveTimeout 'within -1 s', NaN was taken (no wait ever timed out), '5' and
+    None were TypeErrors from an addition."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    with pytest.raises(error, match="timeout must be"):
+        await asynccoll.init(backend="mpi", timeout=timeout)  # type: ignore[arg-type]
+
+
 async def test_mpi_backend_cannot_run_ranks_as_coroutines() -> None:
     async def fn(comm: asynccoll.Communicator) -> None:
         raise AssertionError("never runs")

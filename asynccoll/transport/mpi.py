@@ -59,6 +59,7 @@ from ..collectives import (
     _pack_object,
     _sig_array,
     _unpack_object,
+    check_timeout,
 )
 from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
 from ..ops import ReduceOp, check_op, finish
@@ -211,6 +212,9 @@ class MpiCommunicator(Communicator):
         self._p2p_waiting: dict[tuple[int, int], deque[asyncio.Future[Any]]] = {}
         self._p2p_early: dict[tuple[int, int], deque[tuple[np.ndarray, Any]]] = {}
         self._p2p_status = world.mpi.Status()
+        #: collectives and receives in progress: a group closed under them frees its MPI
+        #: communicators after the last one (as on the other backends, they go on)
+        self._calls = 0
 
     @property
     def mpi_comm(self) -> Any:
@@ -249,6 +253,7 @@ class MpiCommunicator(Communicator):
         ticket = self._tickets
         self._tickets += 1
         op = _Op(self, ticket, sig, loop.time() + self.timeout)
+        self._begin()
         try:
             with Failures(sig, self._rank, "MPI", self._mpi.Exception,
                           functools.partial(self._fail, op)):
@@ -267,6 +272,17 @@ class MpiCommunicator(Communicator):
         finally:
             op.issued(0)
             op.issued(1)
+            self._end()
+
+    def _begin(self) -> None:
+        self._calls += 1
+        self._world.calls += 1
+
+    def _end(self) -> None:
+        self._calls -= 1
+        self._world.calls -= 1
+        if self._closed and not self._calls:
+            self._free()
 
     def _fail(self, op: _Op, err: CollectiveError) -> None:
         pending = [(r, k) for r, k in op.reqs if r]
@@ -665,6 +681,7 @@ class MpiCommunicator(Communicator):
         else:
             self._p2p_waiting.setdefault(key, deque()).append(fut)
         item: tuple[np.ndarray, Any] | None = None
+        self._begin()
 
         def arrived() -> bool:
             if not fut.done():
@@ -693,6 +710,8 @@ class MpiCommunicator(Communicator):
             err = CollectiveError(f"recv from group rank {src} failed in MPI: {exc}")
             self._recv_failed(fut, item, err)
             raise err from exc
+        finally:
+            self._end()
 
     def _recv_failed(self, fut: asyncio.Future[Any], item: tuple[np.ndarray, Any] | None,
                      err: CollectiveError) -> None:
@@ -816,13 +835,22 @@ class MpiCommunicator(Communicator):
 
     async def close(self) -> None:
         """Close the communicator (a world communicator also waits, at most ``timeout``, for
-        its sends to be received). Idempotent."""
+        its sends to be received). Idempotent.
+
+        Closing the world communicator fails the calls in flight on it and its subgroups
+        (``CommunicatorClosedError``; the other ranks' calls raise ``CollectiveError``).
+        A subgroup's calls in flight go on, and it frees its MPI communicators after them."""
         if self._closed:
             return
         self._closed = True
         if self._owns_world:
             await self._world.close(self.timeout)
-        if self._world.broken is None:
+        if not self._calls:
+            self._free()
+
+    def _free(self) -> None:
+        if self._world.broken is None and self._stage_comms[0] != self._mpi.COMM_NULL:
+            # (a broken world keeps everything: MPI may still write into its buffers)
             for comm in (*self._stage_comms, self._meta, self._p2p):
                 _free(self._mpi, comm)
 
@@ -868,6 +896,7 @@ async def mpi_init(*, rank: int | None = None, world_size: int | None = None,
         check_signatures: check, before each collective moves data, that every rank called
             the same thing (see the module docstring).
     """
+    timeout = check_timeout(timeout)  # before anything is opened
     mpi = import_mpi()
     base = mpi.COMM_WORLD if comm is None else comm
     got_rank, got_size = int(base.Get_rank()), int(base.Get_size())

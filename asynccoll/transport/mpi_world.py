@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 
 from .._progress import poll
-from ..errors import CollectiveError, CollectiveTimeout
+from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
 from ..ops import ReduceOp, combine_ordered
 from ..wire import MAX_NDIM, SUPPORTED_DTYPES, dtype_code
 
@@ -118,11 +118,18 @@ class MpiWorld:
         self._abandoned: list[tuple[list[Any], tuple[Any, ...]]] = []
         self._status = mpi.Status()
         self._closed = False
+        #: collectives and receives in progress on the world and its subgroups
+        self.calls = 0
+        #: the world communicator was closed (``close`` started): every call fails
+        self.closing = False
 
     # -- failures ------------------------------------------------------------------------
 
     def check(self) -> None:
-        """Raise if the world is broken, here or (per a ctrl message) on another rank."""
+        """Raise if the world was closed (``CommunicatorClosedError``) or is broken, here or
+        (per a ctrl message) on another rank."""
+        if self.closing:
+            raise CommunicatorClosedError("the communicator was closed")
         if self.broken is None and not self._closed:
             self._read_aborts()
         if self.broken is not None:
@@ -218,9 +225,16 @@ class MpiWorld:
     # -- lifetime ------------------------------------------------------------------------
 
     async def close(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) for sends in flight, then free what MPI lets us free."""
-        if self._closed:
+        """Wait (at most ``timeout``) for sends in flight, then free what MPI lets us free.
+
+        Calls in flight (on the world or a subgroup) fail with ``CommunicatorClosedError``
+        at their next test, and the other ranks are told: those calls can never complete."""
+        if self.closing:
             return
+        self.closing = True
+        if self.calls:
+            self.abort(CommunicatorClosedError(f"the communicator was closed while "
+                                               f"{self.calls} call(s) were in flight"))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 
