@@ -37,6 +37,7 @@ from .wire import (
     decode_header,
     encode_frame,
     parse_prefix,
+    short_repr,
 )
 
 logger = logging.getLogger("asynccoll.handshake")
@@ -318,10 +319,12 @@ class ServerHandshake:
         meta = _meta_of(frame, FrameKind.HELLO)
         role = meta.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise ProtocolError(f"HELLO: role must be one of {sorted(ROLES)}, got {role!r}")
+            raise ProtocolError(
+                f"HELLO: role must be one of {sorted(ROLES)}, got {short_repr(role)}")
         rank = meta.get("rank")
         if rank is not None and (type(rank) is not int or not 0 <= rank <= _U32):
-            raise ProtocolError(f"HELLO: rank must be nil or an int in [0, {_U32}], got {rank!r}")
+            raise ProtocolError(
+                f"HELLO: rank must be nil or an int in [0, {_U32}], got {short_repr(rank)}")
         if role == "peer" and rank is None:
             raise ProtocolError("HELLO: a peer must announce its rank")
         client_nonce = _field_bytes(meta, "nonce", NONCE_BYTES, "HELLO")

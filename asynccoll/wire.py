@@ -91,6 +91,19 @@ NEED_DATA: Final = _Sentinel.NEED_DATA
 CLOSED: Final = _Sentinel.CLOSED
 
 
+#: the longest repr of a received value an error message quotes
+MAX_QUOTED_CHARS: Final = 80
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)``, cut to MAX_QUOTED_CHARS: error messages (and the log lines made of
+    them) quote what a peer sent, and anyone who can connect may send 64 KiB of it."""
+    text = repr(value)
+    if len(text) <= MAX_QUOTED_CHARS:
+        return text
+    return f"{text[:MAX_QUOTED_CHARS]}... ({len(text)} chars)"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrameHeader:
     """The msgpack header of a frame.
@@ -118,12 +131,12 @@ class FrameHeader:
         else:
             self._explain_ints()
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
-            raise ProtocolError(f"unsupported dtype {self.dtype!r}")
+            raise ProtocolError(f"unsupported dtype {short_repr(self.dtype)}")
         if self.shape is not None:
             if not isinstance(self.shape, tuple) or len(self.shape) > MAX_NDIM or not all(
                 type(n) is int and 0 <= n <= _I63 for n in self.shape
             ):
-                raise ProtocolError(f"bad shape {self.shape!r}")
+                raise ProtocolError(f"bad shape {short_repr(self.shape)}")
         if self.sig is not None and not isinstance(self.sig, tuple):
             raise ProtocolError("sig must be a tuple")
         if self.meta is not None and (
@@ -137,7 +150,8 @@ class FrameHeader:
             value = getattr(self, name)
             if type(value) is not int or not 0 <= value <= hi:
                 raise ProtocolError(
-                    f"header field {name!r} must be an int in [0, {hi}], got {value!r}")
+                    f"header field {name!r} must be an int in [0, {hi}], "
+                    f"got {short_repr(value)}")
 
     def expected_payload(self) -> int | None:
         """Payload length implied by ``dtype`` and ``shape``, or ``None`` if either is absent."""

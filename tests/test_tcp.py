@@ -345,6 +345,54 @@ async def test_rank_rejects_malformed_handshake_frame_with_reason(case: str) -> 
         await transport.close()
 
 
+def _raw_head(kind: FrameKind, fields: dict[str, Any]) -> bytes:
+    """A frame with no payload whose header map is ``fields`` as given (unchecked)."""
+    import msgpack
+
+    body = msgpack.packb(fields, use_bin_type=True)
+    return PREFIX.pack(MAGIC, VERSION, int(kind), 0, len(body), 0) + body
+
+
+_IDS = {"g": 0, "q": 0, "s": 0, "t": 0, "r": 0}
+_HELLO = {"role": "peer", "rank": 1, "nonce": bytes(32), "job": ""}
+#: heads of about 60 KiB whose error quotes what was sent
+LONG_HEADS = {
+    "role": _raw_head(FrameKind.HELLO, {**_IDS, "m": {**_HELLO, "role": "A" * 60_000}}),
+    "rank": _raw_head(FrameKind.HELLO, {**_IDS, "m": {**_HELLO, "rank": [0] * 20_000}}),
+    "dtype": _raw_head(FrameKind.DATA, {**_IDS, "d": "f" * 60_000, "h": [0]}),
+    "shape": _raw_head(FrameKind.DATA, {**_IDS, "d": "<f4", "h": [1 << 40] * 5_000}),
+    "field": _raw_head(FrameKind.HELLO, {**_IDS, "g": "g" * 60_000, "m": _HELLO}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LONG_HEADS))
+async def test_a_hostile_head_makes_one_short_log_line(case: str, logs: LogWatch) -> None:
+    """Whoever can connect may send 64 KiB of header before authenticating; what gets logged
+    of it is cut short (it used to be quoted whole: a 20 KB list of zeros made a 60 KB line,
+    at WARNING, for every connection)."""
+    transport = TcpTransport(1, 2, token=TOKEN, handshake_timeout=5.0)
+    server = RendezvousServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+    try:
+        rank_port = (await transport.listen("127.0.0.1", 0))[1]
+        for port in (rank_port, server.port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(LONG_HEADS[case])
+                await read_until_closed(reader, 3.0)
+            finally:
+                await close_writer(writer)
+        await settle_until(lambda: len(logs.messages()) >= 2)
+        warnings = logs.messages()
+        assert len(warnings) == 2, warnings
+        for line in warnings:
+            assert "dropped" in line and "chars)" in line, line
+            assert len(line) < 400, line[:500]
+    finally:
+        await transport.close()
+        await server.close()
+
+
 async def attack(host: str, port: int, what: str) -> tuple[str, float]:
     """Open a connection, misbehave, and return how long the server took to drop it."""
     reader, writer = await asyncio.open_connection(host, port)
