@@ -6,7 +6,10 @@ A checkpoint is a directory:
   shape, unit and flat range; every rank's shard as flat ranges), the dtype, the optimizer's
   class, hyperparameters and step count;
 * ``shard-RRRRR.npz``, one per rank: ``params`` (the rank's shard of the flat parameters, in
-  the order of its ranges) and ``opt.NAME`` for every optimizer buffer (the same ranges).
+  the order of its ranges) and ``opt.NAME`` for every optimizer buffer (the same ranges);
+* ``buffers.npz``, written by rank 0: the model's persistent buffers (BatchNorm's running
+  statistics...; ``Model.buffer_specs``) by name, rank 0's, as torch's ``state_dict()`` holds
+  them; ``meta.json`` lists them (name, shape, dtype) under ``buffers``.
 
 Every rank writes only its own shard, whatever the strategy (replicated state is cut the same
 way), so the files add up to one copy of everything. Loading reassembles the whole flat arrays
@@ -15,12 +18,18 @@ strategy loads into M ranks with any strategy, or into a plain model in one proc
 (``load_parameters``). The directory must be visible to every rank (one machine, or a
 shared file system). Error-feedback residuals of gradient compression are not saved: they
 restart from zero.
+
+Loading copies the saved buffers into every rank's model (names and shapes must match the
+model's persistent buffers). A checkpoint written before buffers were saved (no ``buffers``
+in ``meta.json``) still loads: the model's buffers are then left as they are, and a warning
+is logged if the model has any.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -32,6 +41,9 @@ from .model import Model
 
 FORMAT = "asynccoll-checkpoint"
 VERSION = 1
+BUFFERS_FILE = "buffers.npz"
+
+log = logging.getLogger("asynccoll.parallel.checkpoint")
 
 
 def _shard_file(path: Path, rank: int) -> Path:
@@ -56,14 +68,18 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     params, buffers, step = dist.shard_state()
     arrays = {"params": params, **{f"opt.{k}": v for k, v in buffers.items()}}
     meta = None
+    model_buffers: dict[str, np.ndarray] = {}
     if dist.rank == 0:
         opt = dist.optimizer
+        model_buffers = dist.local_buffers(persistent_only=True)    # rank 0's, as DDP's
         meta = {
             "format": FORMAT, "version": VERSION, "strategy": dist.strategy,
             "layout": dist.layout.describe(), "step": step,
             "optimizer": None if opt is None else {
                 "class": type(opt).__name__, "hyper": opt.state_dict().get("hyper", {}),
                 "buffers": sorted(buffers)},
+            "buffers": [{"name": n, "shape": list(v.shape), "dtype": v.dtype.str}
+                        for n, v in model_buffers.items()],
         }
 
     def write() -> None:
@@ -71,6 +87,8 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
         _write_atomic(_shard_file(root, dist.rank),
                       lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
         if meta is not None:
+            _write_atomic(root / BUFFERS_FILE,
+                          lambda f: np.savez(f, **model_buffers))  # type: ignore[arg-type]
             _write_atomic(root / "meta.json",
                           lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
@@ -121,6 +139,31 @@ def read_full(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray,
     return meta, params, buffers
 
 
+def read_buffers(path: str | os.PathLike[str]) -> dict[str, np.ndarray] | None:
+    """The model buffers a checkpoint holds, by name (rank 0's at the save), or ``None``
+    for a checkpoint written before buffers were saved."""
+    root = Path(path)
+    meta = read_meta(root)
+    listed = meta.get("buffers")
+    if listed is None:
+        return None
+    if not listed:
+        return {}
+    out: dict[str, np.ndarray] = {}
+    with np.load(root / BUFFERS_FILE) as z:
+        for entry in listed:
+            name = entry["name"]
+            if name not in z.files:
+                raise ValueError(f"{root}: {BUFFERS_FILE} lacks buffer {name!r}")
+            value = z[name]
+            if (list(value.shape) != list(entry["shape"])
+                    or value.dtype != np.dtype(entry["dtype"])):
+                raise ValueError(f"{root}: buffer {name!r} is {value.dtype} {value.shape}, "
+                                 f"meta.json says {entry['dtype']} {tuple(entry['shape'])}")
+            out[name] = value
+    return out
+
+
 def _check_layout(meta: dict[str, Any], dist_layout: dict[str, Any], where: str) -> None:
     old = [(p["name"], tuple(p["shape"])) for p in meta["layout"]["params"]]
     new = [(p["name"], tuple(p["shape"])) for p in dist_layout["params"]]
@@ -137,15 +180,33 @@ async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     """Load a checkpoint saved with any number of ranks and any strategy into ``dist``.
 
     A collective: every rank calls it (each reads the files it needs, then all ranks
-    synchronise, so nobody trains on a half-loaded state).
+    synchronise, so nobody trains on a half-loaded state). Every rank's model buffers become
+    the saved ones (rank 0's at the save); a checkpoint without buffers (written by an older
+    asynccoll) leaves them as they are.
+
+    Raises:
+        ValueError: the checkpoint's parameters, optimizer or buffers do not fit ``dist``
+            (nothing of the model is changed then).
     """
     meta, params, buffers = await asyncio.to_thread(read_full, path)
     _check_layout(meta, dist.layout.describe(), str(path))
+    model_buffers = await asyncio.to_thread(read_buffers, path)
     opt = meta.get("optimizer")
     if dist.optimizer is not None and opt is not None:
         mine = type(dist.optimizer).__name__
         if opt["class"] != mine:
             raise ValueError(f"{path}: saved with optimizer {opt['class']}, loading into {mine}")
+    specs = dist.model.buffer_specs()
+    if model_buffers is None:
+        if specs and dist.rank == 0:
+            log.warning("%s holds no model buffers (saved by an older asynccoll): the "
+                        "model's buffers (%s...) are left as they are", path, specs[0].name)
+    else:
+        try:
+            dist.load_buffers(model_buffers)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    if dist.optimizer is not None and opt is not None:
         dist.load_full_state(params, buffers, int(meta["step"]), opt.get("hyper"))
     else:
         dist.load_full_state(params, {}, int(meta["step"]))
@@ -157,9 +218,11 @@ def load_parameters(path: str | os.PathLike[str], model: Model | None = None
     """The checkpoint's parameters by name (whole arrays), in one process, no communicator.
 
     With ``model``, also copies them into the model's parameter arrays (names and shapes
-    must match).
+    must match), and the checkpoint's buffers into the model's buffers (``read_buffers``
+    returns them).
     """
     meta, flat, _ = read_full(path)
+    saved_buffers = read_buffers(path) if model is not None else None
     out = {}
     for p in meta["layout"]["params"]:
         a, b = p["range"]
@@ -169,9 +232,17 @@ def load_parameters(path: str | os.PathLike[str], model: Model | None = None
         for name, value in out.items():
             if name not in current or current[name].shape != value.shape:
                 raise ValueError(f"{path}: parameter {name} {value.shape} does not fit the model")
+        buffers = model.buffers()
+        specs = {s.name: s for s in model.buffer_specs()}
+        for name, value in (saved_buffers or {}).items():
+            if name not in specs or specs[name].shape != value.shape:
+                raise ValueError(f"{path}: buffer {name} {value.shape} does not fit the model")
         for name, value in out.items():
             current[name][...] = value
+        for name, value in (saved_buffers or {}).items():
+            np.copyto(buffers[name], value.astype(specs[name].dtype, copy=False))
     return out
 
 
-__all__ = ["load_checkpoint", "load_parameters", "read_meta", "save_checkpoint"]
+__all__ = ["load_checkpoint", "load_parameters", "read_buffers", "read_meta",
+           "save_checkpoint"]

@@ -19,6 +19,12 @@ ZeRO-1/2 all-gather the updated parameters after each step; ZeRO-3 never holds t
 gathers each bucket (by default: each unit, i.e. layer) right before it runs, forwards and
 backwards, prefetching the next one while the current one computes, and frees it after use.
 
+Buffers (``Model.buffer_specs``: BatchNorm's running statistics...) follow torch's DDP with
+``broadcast_buffers=True``: rank 0's buffers are broadcast to every rank at the start of a
+forward pass, in one collective for all of them (packed as bytes), whenever the previous pass
+was a training pass that exchanged gradients (not under ``no_sync``, not ``loss``), and at the
+first pass. ``broadcast_buffers=False`` leaves every rank its own.
+
 Communication starts from the model's hooks, so a bucket's gradients travel while the backward
 pass computes the earlier units (as far as the model yields to the event loop between units).
 """
@@ -116,11 +122,16 @@ class DistributedModel:
             ``make_compression``); it replaces the averaging
             all-reduce, so only ``ddp`` and ``zero1`` accept it.
         prefetch: ZeRO-3 gathers the next bucket while the current one computes.
+        broadcast_buffers: keep the model's buffers (BatchNorm statistics...) the same on
+            every rank as torch's DDP does by default: rank 0's reach every rank at the start
+            of each forward pass that follows a training pass with gradient exchange (and at
+            the first one). ``False``: every rank keeps its own. Must be the same on every rank.
     """
 
     def __init__(self, model: Model, comm: Communicator, optimizer: Optimizer | None = None, *,
                  strategy: str = "ddp", bucket_bytes: int | None = None,
-                 compression: Compression | str | None = None, prefetch: bool = True) -> None:
+                 compression: Compression | str | None = None, prefetch: bool = True,
+                 broadcast_buffers: bool = True) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if compression is not None and compression != "none" and strategy not in ("ddp", "zero1"):
@@ -133,6 +144,7 @@ class DistributedModel:
         self.strategy = strategy
         self.compression = make_compression(compression)
         self.prefetch = prefetch
+        self.broadcast_buffers = bool(broadcast_buffers)
         self.rank, self.world_size = comm.rank, comm.world_size
         self.layout = lay = FlatLayout(model.param_specs(), comm.world_size, bucket_bytes)
         self._sync = True
@@ -176,6 +188,16 @@ class DistributedModel:
         self._grad_buffers: dict[int, np.ndarray] = {}
         self._gathered_bytes = self._gathered_peak = 0
         self._grad_bytes = self._grad_peak = 0
+        # buffers: packed end to end as bytes (offsets aligned to 8) for one broadcast
+        self._buffer_specs = list(model.buffer_specs())
+        self._buffer_ranges: list[tuple[int, int]] = []
+        pos = 0
+        for spec in self._buffer_specs:
+            self._buffer_ranges.append((pos, pos + spec.nbytes))
+            pos += -(-spec.nbytes // 8) * 8
+        self._buffer_pack = np.zeros(pos, np.uint8)
+        #: torch DDP's ``require_forward_param_sync``: the next pass broadcasts the buffers
+        self._buffers_due = True
         if optimizer is not None:
             self.set_optimizer(optimizer)
 
@@ -244,12 +266,37 @@ class DistributedModel:
         """Forward and backward on ``batch``, adding to the gradients, exchanging them unless
         under ``no_sync``. Returns this rank's loss."""
         await self.start()
+        await self._before_pass()
+        self._buffers_due = self._sync
         return await self._pass(self.model.forward_backward(batch, _Hooks(self, backward=True)))
 
     async def loss(self, batch: Any) -> float:
         """The loss of ``batch`` without gradients (ZeRO-3 gathers parameters for it)."""
         await self.start()
+        await self._before_pass()
+        self._buffers_due = False
         return await self._pass(self.model.loss(batch, _Hooks(self, backward=False)))
+
+    async def _before_pass(self) -> None:
+        """Broadcast rank 0's buffers if they are due (torch DDP's rule)."""
+        if self._buffers_due and self.broadcast_buffers and self._buffer_specs:
+            await self.sync_buffers()
+
+    async def sync_buffers(self) -> None:
+        """Make every rank's buffers rank 0's now: one broadcast of all of them, packed.
+        A collective (every rank calls it); the passes call it themselves when due."""
+        if not self._buffer_specs or self.world_size == 1:
+            return
+        arrays = self._buffer_arrays()
+        pack = self._buffer_pack
+        if self.rank == 0:
+            for array, (a, b) in zip(arrays, self._buffer_ranges, strict=True):
+                pack[a:b] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        await self.comm.broadcast(pack, root=0)
+        if self.rank != 0:
+            for spec, array, (a, b) in zip(self._buffer_specs, arrays, self._buffer_ranges,
+                                           strict=True):
+                np.copyto(array, pack[a:b].view(spec.dtype).reshape(spec.shape))
 
     async def _pass(self, work: Awaitable[float]) -> float:
         try:
@@ -379,6 +426,70 @@ class DistributedModel:
                     self.layout.shard_block(self._shard_params, self.rank, b).copy(),
                     out=flat[b.start:b.stop])
         return {k: v.copy() for k, v in self.layout.views(flat).items()}
+
+    def _buffer_arrays(self) -> list[np.ndarray]:
+        """The model's buffer arrays now, in ``buffer_specs`` order, checked against them."""
+        current = self.model.buffers()
+        out = []
+        for spec in self._buffer_specs:
+            array = current.get(spec.name)
+            if array is None or array.shape != spec.shape or array.dtype != spec.dtype:
+                raise RuntimeError(f"the model's buffer {spec.name!r} is no longer "
+                                   f"{spec.dtype} {spec.shape}")
+            out.append(array)
+        return out
+
+    def local_buffers(self, *, persistent_only: bool = False) -> dict[str, np.ndarray]:
+        """Copies of this rank's buffers by name (with ``persistent_only``: those a
+        checkpoint holds)."""
+        return {s.name: np.array(a, copy=True)
+                for s, a in zip(self._buffer_specs, self._buffer_arrays(), strict=True)
+                if s.persistent or not persistent_only}
+
+    async def full_buffers(self, *, persistent_only: bool = False) -> dict[str, np.ndarray]:
+        """Rank 0's buffers on every rank, as new arrays (a collective: every rank calls it;
+        this rank's own buffers are left as they are). What a checkpoint saves and elastic
+        training commits."""
+        own = self.local_buffers(persistent_only=persistent_only)
+        if self.world_size == 1 or not own:
+            return own
+        names = sorted(own)
+        sizes = [own[n].nbytes for n in names]
+        pack = np.empty(sum(sizes), np.uint8)
+        if self.rank == 0:
+            pos = 0
+            for n, size in zip(names, sizes, strict=True):
+                pack[pos:pos + size] = own[n].reshape(-1).view(np.uint8)
+                pos += size
+        await self.comm.broadcast(pack, root=0)
+        out, pos = {}, 0
+        for n, size in zip(names, sizes, strict=True):
+            out[n] = pack[pos:pos + size].view(own[n].dtype).reshape(own[n].shape).copy()
+            pos += size
+        return out
+
+    def load_buffers(self, buffers: dict[str, np.ndarray], *, strict: bool = True) -> None:
+        """Copy ``buffers`` (by name) into the model's buffers on this rank.
+
+        With ``strict`` (the default), ``buffers`` must hold exactly the model's persistent
+        buffers (non-persistent ones may be given too); otherwise names the model lacks are an
+        error and buffers not given are left as they are. Raises ``ValueError`` for a missing
+        or unknown name or a shape that does not fit; nothing is copied then.
+        """
+        specs = {s.name: s for s in self._buffer_specs}
+        unknown = sorted(set(buffers) - set(specs))
+        missing = sorted(s.name for s in self._buffer_specs
+                         if s.persistent and s.name not in buffers) if strict else []
+        if unknown or missing:
+            raise ValueError(f"buffers do not match the model's: missing {missing[:4]}, "
+                             f"unexpected {unknown[:4]}")
+        for name, value in buffers.items():
+            if np.shape(value) != specs[name].shape:
+                raise ValueError(f"buffer {name!r}: shape {np.shape(value)}, the model's "
+                                 f"{specs[name].shape}")
+        arrays = dict(zip(specs, self._buffer_arrays(), strict=True))
+        for name, value in buffers.items():
+            np.copyto(arrays[name], np.asarray(value).astype(specs[name].dtype, copy=False))
 
     @property
     def steps(self) -> int:

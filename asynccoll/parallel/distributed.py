@@ -26,7 +26,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None = None, *,
                    strategy: str = "ddp", compression: Compression | str | None = None,
                    bucket_bytes: int | None = None, preset: str | None = None,
-                   prefetch: bool = True) -> DistributedModel:
+                   prefetch: bool = True, broadcast_buffers: bool = True) -> DistributedModel:
     """Wrap ``model`` for data-parallel training over ``comm``.
 
     Args:
@@ -37,6 +37,10 @@ def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None
             ``Compression`` (``ddp``/``zero1`` only).
         preset: ``"high_bandwidth"`` or ``"low_bandwidth"`` (see ``PRESETS``); explicit
             arguments win over the preset's.
+        broadcast_buffers: as torch's DDP (default ``True``): rank 0's model buffers
+            (BatchNorm statistics...) reach every rank at the start of each forward pass
+            after a training step; ``False`` leaves every rank its own (see
+            ``DistributedModel``).
     """
     settings: dict[str, Any] = {}
     if preset is not None:
@@ -48,7 +52,7 @@ def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None
     if bucket_bytes is not None:
         settings["bucket_bytes"] = bucket_bytes
     return DistributedModel(model, comm, optimizer, strategy=strategy, prefetch=prefetch,
-                            **settings)
+                            broadcast_buffers=broadcast_buffers, **settings)
 
 
 def as_distributed_for_high_bandwidth(model: Model, comm: Communicator,

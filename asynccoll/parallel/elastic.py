@@ -4,7 +4,8 @@
 through the generations of an ``ElasticGroup``:
 
 - Every ``commit_every`` steps it *commits*: every rank keeps a copy of the whole training
-  state (parameters, optimizer buffers, step count; ZeRO shards are all-gathered for it). A
+  state (parameters, optimizer buffers, step count; ZeRO shards are all-gathered for it;
+  rank 0's model buffers, such as BatchNorm statistics, broadcast for it). A
   failure loses at most the steps since the last commit.
 - When a collective fails (a member died: ``PeerLostError``, or timed out),
   every survivor falls back to its last commit, joins the next generation and the world
@@ -39,7 +40,8 @@ log = logging.getLogger("asynccoll.parallel.elastic")
 
 T = TypeVar("T")
 
-State = tuple[int, np.ndarray, dict[str, np.ndarray], int]   # step, params, buffers, opt step
+#: step, params, optimizer buffers, optimizer step, model buffers
+State = tuple[int, np.ndarray, dict[str, np.ndarray], int, dict[str, np.ndarray]]
 
 
 class ElasticTrainer:
@@ -156,7 +158,8 @@ class ElasticTrainer:
         if self.dist is None:
             raise RuntimeError("no model to commit: await trainer.start() first")
         params, buffers, opt_step = await self.dist.full_state()
-        self._commit = (self.step, params, buffers, opt_step)
+        model_buffers = await self.dist.full_buffers()
+        self._commit = (self.step, params, buffers, opt_step, model_buffers)
 
     @property
     def committed_step(self) -> int | None:
@@ -181,21 +184,28 @@ class ElasticTrainer:
         else:
             if comm.rank == root:
                 assert self._commit is not None
-                _, params, buffers, opt_step = self._commit
+                _, params, buffers, opt_step, model_buffers = self._commit
                 meta = {"size": int(params.size), "dtype": params.dtype.str,
-                        "buffers": sorted(buffers), "opt_step": opt_step}
+                        "buffers": sorted(buffers), "opt_step": opt_step,
+                        "model_buffers": [[n, list(v.shape), v.dtype.str]
+                                          for n, v in sorted(model_buffers.items())]}
             else:
                 meta = None
             meta = await comm.broadcast_object(meta, root=root)
             if comm.rank != root:
                 params = np.empty(meta["size"], np.dtype(meta["dtype"]))
                 buffers = {k: np.empty_like(params) for k in meta["buffers"]}
+                model_buffers = {n: np.empty(shape, np.dtype(dt))
+                                 for n, shape, dt in meta["model_buffers"]}
             await comm.broadcast(params, root=root)
             for k in meta["buffers"]:
                 await comm.broadcast(buffers[k], root=root)
+            for n, _, _ in meta["model_buffers"]:
+                await comm.broadcast(model_buffers[n], root=root)
             dist.load_full_state(params, buffers, int(meta["opt_step"]))
+            dist.load_buffers(model_buffers)
             self.step = best
-            self._commit = (best, params, buffers, int(meta["opt_step"]))
+            self._commit = (best, params, buffers, int(meta["opt_step"]), model_buffers)
             self.dist = dist
         gen = self.group.generation
         assert gen is not None

@@ -43,6 +43,27 @@ class ParamSpec:
         return self.size * self.dtype.itemsize
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BufferSpec:
+    """One buffer: state the forward pass reads and may update in place, but that no
+    gradient trains (torch's module buffers: BatchNorm's ``running_mean``, ``running_var``,
+    ``num_batches_tracked``, anything ``register_buffer`` made).
+
+    ``persistent=False`` marks a buffer that is not part of the model's saved state (torch's
+    ``register_buffer(..., persistent=False)``): the data-parallel wrappers keep it
+    consistent across ranks like the others, but checkpoints leave it out.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    persistent: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
 class Hooks(Protocol):
     """Called by ``Model.forward_backward`` around every unit, in this order per unit:
     ``before_forward(u)`` / ``after_forward(u)`` for u = 0..n-1, then ``before_backward(u)`` /
@@ -87,6 +108,11 @@ class Model(abc.ABC):
     * ``forward_backward`` computes the loss of ``batch`` as a *mean over its samples*
       and **adds** d(loss)/d(param) into the bound gradient arrays (the caller zeroes them;
       adding is what makes gradient accumulation work).
+    * ``buffer_specs`` / ``buffers`` (optional; none by default) describe the model's
+      buffers: names, shapes and dtypes fixed for the model's life, and the arrays the model
+      currently uses (no copies: writing into them changes the model). The wrappers own no
+      memory for buffers; they read and overwrite these arrays between passes (rank 0's
+      buffers reach every rank, checkpoints save them).
     """
 
     @abc.abstractmethod
@@ -100,6 +126,17 @@ class Model(abc.ABC):
     @abc.abstractmethod
     def parameters(self) -> dict[str, np.ndarray]:
         """The arrays the model currently reads its parameters from (no copies)."""
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        """The buffers, in a fixed order; none unless the model has some."""
+        return []
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The arrays the model currently keeps its buffers in (no copies; writable), by
+        name, as ``buffer_specs`` lists them; none unless the model has some. Read afresh
+        for every use: a model may replace a buffer's array (torch modules may reassign
+        one)."""
+        return {}
 
     @abc.abstractmethod
     def bind(self, params: Mapping[str, np.ndarray] | None = None,

@@ -11,6 +11,11 @@ How it maps onto the ``Model`` contract:
   the gradient is recorded), so the gradients land in the bound arrays. After each
   accumulation the data pointer is checked; were torch to put a new tensor in ``.grad``
   (old + new), it is copied into the bound array and the binding restored.
+* **Buffers.** The module's buffers (``module.named_buffers()``: BatchNorm's running
+  statistics, anything ``register_buffer`` made) are the model's ``buffer_specs`` /
+  ``buffers``; ``buffers()`` gives NumPy views of the tensors the module holds at the time
+  (a module that reassigns a buffer is seen), so a wrapper writing into them changes the
+  module. Non-persistent buffers (not in ``state_dict()``) are marked ``persistent=False``.
 * **Threads.** The forward and backward pass runs in a worker thread (one per model, started
   on first use, stopped by ``TorchModel.close``), so the event loop keeps running
   communication while torch computes. Hooks are coroutines on the event loop; the worker
@@ -50,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .mlp import _BoundArrays
-from .model import Hooks, Model, NoHooks, ParamSpec
+from .model import BufferSpec, Hooks, Model, NoHooks, ParamSpec
 
 if TYPE_CHECKING:
     import torch
@@ -255,7 +260,7 @@ class TorchModel(_BoundArrays, Model):
         ImportError: torch is not installed.
         ValueError: a parameter belongs to no unit or to two, a unit has no parameters or is
             not part of ``module``, or a parameter is not a CPU tensor.
-        TypeError: a parameter's dtype has no NumPy equivalent (bfloat16).
+        TypeError: a parameter's or buffer's dtype has no NumPy equivalent (bfloat16).
 
     At construction the gradients are bound to zero-filled arrays the model owns (any
     ``.grad`` already set is dropped). A batch is ``(inputs, targets)``, each a NumPy array
@@ -304,14 +309,19 @@ class TorchModel(_BoundArrays, Model):
             if p.device.type != "cpu":
                 raise ValueError(f"parameter {name!r} is on {p.device}; TorchModel needs CPU "
                                  f"tensors")
-            try:
-                dtype = np.dtype(torch.empty(0, dtype=p.dtype).numpy().dtype)
-            except TypeError:
-                raise TypeError(f"parameter {name!r} has dtype {p.dtype}, which NumPy does "
-                                f"not have") from None
+            dtype = self._numpy_dtype(p, "parameter", name)
             specs.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=dtype,
                                    unit=owner[id(p)], trainable=bool(p.requires_grad)))
         specs.sort(key=lambda s: s.unit)                # stable: module order within a unit
+        persistent = set(module.state_dict(keep_vars=True))
+        self._buffer_specs: list[BufferSpec] = []
+        for name, buf in module.named_buffers():
+            if buf.device.type != "cpu":
+                raise ValueError(f"buffer {name!r} is on {buf.device}; TorchModel needs CPU "
+                                 f"tensors")
+            self._buffer_specs.append(BufferSpec(
+                name=name, shape=tuple(buf.shape), dtype=self._numpy_dtype(buf, "buffer", name),
+                persistent=name in persistent))
         self._tparams: dict[str, Any] = {s.name: named[s.name] for s in specs}
         self._own(specs, {s.name: named[s.name].detach().numpy() for s in specs})
         self._bind_lock = threading.Lock()
@@ -346,6 +356,30 @@ class TorchModel(_BoundArrays, Model):
         return [s if s.trainable == self._tparams[s.name].requires_grad
                 else dataclasses.replace(s, trainable=bool(self._tparams[s.name].requires_grad))
                 for s in self._specs]
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        """The module's buffers, in ``module.named_buffers()`` order."""
+        return list(self._buffer_specs)
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """NumPy views (no copies) of the buffer tensors the module holds now.
+
+        Raises ``RuntimeError`` if a buffer was removed or replaced by one of another shape
+        or dtype since the model was made.
+        """
+        current = {n: b for n, b in self.module.named_buffers()}
+        out: dict[str, np.ndarray] = {}
+        for spec in self._buffer_specs:
+            buf = current.get(spec.name)
+            if buf is None or tuple(buf.shape) != spec.shape or buf.device.type != "cpu":
+                raise RuntimeError(f"buffer {spec.name!r} is no longer a CPU tensor of shape "
+                                   f"{spec.shape}: buffers must keep their shape and dtype")
+            array = buf.detach().numpy()
+            if array.dtype != spec.dtype:
+                raise RuntimeError(f"buffer {spec.name!r} changed dtype from {spec.dtype} to "
+                                   f"{array.dtype}")
+            out[spec.name] = array
+        return out
 
     def bind(self, params: Mapping[str, np.ndarray] | None = None,
              grads: Mapping[str, np.ndarray] | None = None) -> None:
@@ -432,6 +466,13 @@ class TorchModel(_BoundArrays, Model):
                 p.grad = torch.from_numpy(grad)
         else:
             p.grad = None
+
+    def _numpy_dtype(self, tensor: Any, what: str, name: str) -> np.dtype[Any]:
+        try:
+            return np.dtype(self._torch.empty(0, dtype=tensor.dtype).numpy().dtype)
+        except TypeError:
+            raise TypeError(f"{what} {name!r} has dtype {tensor.dtype}, which NumPy does "
+                            f"not have") from None
 
     def _adopt_grad(self, name: str, param: Any) -> None:
         """After torch accumulated ``name``: make sure the sum is in the bound array."""
