@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rendezvous port (default: a free one)")
     run.add_argument("--bind", default=None, help="address the rendezvous binds (default --addr)")
     run.add_argument("--token", default=None,
-                     help="shared secret (default: $ASYNCCOLL_TOKEN or a fresh random one)")
+                     help="shared secret (default: $ASYNCCOLL_TOKEN or a fresh random one; "
+                          "a token given here is visible in ps, prefer the variable)")
     run.add_argument("--elastic", action="store_true",
                      help="elastic job: a failed rank does not stop the others, which re-form "
                           "(see asynccoll.elastic); implied by --min-nodes/--max-nodes")
@@ -350,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     rdv = sub.add_parser("rendezvous", help="run a standalone rendezvous server")
     rdv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     rdv.add_argument("--port", type=int, default=29500, help="port (default 29500)")
-    rdv.add_argument("--token", default=None, help="shared secret (default $ASYNCCOLL_TOKEN)")
+    rdv.add_argument("--token", default=None,
+                     help="shared secret (default $ASYNCCOLL_TOKEN; a token given here is "
+                          "visible in ps, prefer the variable)")
     rdv.set_defaults(func=_cmd_rendezvous)
 
     info = sub.add_parser("info", help="versions and which optional backends are available")

@@ -222,6 +222,25 @@ async def test_wrong_token_is_rejected_and_learns_nothing(target: str, logs: Log
             np.testing.assert_array_equal(a, np.full(5, 3.0))
 
 
+@pytest.mark.parametrize(("host", "token", "warned"), [
+    ("0.0.0.0", None, True), ("0.0.0.0", "", True), ("0.0.0.0", TOKEN, False),
+    ("127.0.0.1", None, False)])
+async def test_a_rank_listening_beyond_loopback_without_a_token_warns(
+        host: str, token: str | None, warned: bool, logs: LogWatch) -> None:
+    """Without a token the handshake authenticates nothing; a rank whose peer listener can be
+    reached from other machines says so (as the rendezvous server does), instead of silently
+    taking anyone who speaks the protocol as a rank of its world."""
+    transport = TcpTransport(0, 2, token=token)
+    try:
+        await transport.listen(host, 0)
+    finally:
+        await transport.close()
+    said = [m for m in logs.messages() if "without a token" in m]
+    assert bool(said) == warned, logs.messages()
+    if warned:
+        assert said[0].startswith("rank 0 listens on 0.0.0.0:"), said
+
+
 async def test_rendezvous_client_with_wrong_token() -> None:
     async with RendezvousServer("127.0.0.1", 0, token=TOKEN) as server:
         with pytest.raises(AuthenticationError) as excinfo:

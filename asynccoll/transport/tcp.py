@@ -641,6 +641,10 @@ class TcpTransport(Transport):
             lambda: _Connection(self), host, port, reuse_address=True, start_serving=False)
         await self._server.start_serving()
         sockname = self._server.sockets[0].getsockname()
+        if not self.token and not _is_loopback(sockname[0]):
+            log.warning("rank %d listens on %s:%d without a token: anyone who can reach it "
+                        "can join the world as a rank and feed it data (set ASYNCCOLL_TOKEN)",
+                        self.rank, sockname[0], sockname[1])
         return sockname[0], sockname[1]
 
     # -- sending --------------------------------------------------------------------------
