@@ -310,7 +310,8 @@ async def test_checkpoint_saves_rank0s_buffers_once(tmp_path: Path) -> None:
     for name, value in saved.items():
         np.testing.assert_array_equal(value, got[0][name])
     assert not np.allclose(saved["1.running_mean"], got[1]["1.running_mean"])
-    assert [n for n in files(tmp_path) if "buffer" in n] == ["buffers.npz"]
+    tag = json.loads((tmp_path / "meta.json").read_text())["files"]
+    assert [n for n in files(tmp_path) if "buffer" in n] == [f"buffers-{tag}.npz"]
 
 
 async def test_checkpoint_without_buffers_loads_and_leaves_them(
@@ -325,7 +326,7 @@ async def test_checkpoint_without_buffers_loads_and_leaves_them(
     meta = json.loads((tmp_path / "meta.json").read_text())
     del meta["buffers"]
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    (tmp_path / "buffers.npz").unlink()
+    (tmp_path / f"buffers-{meta['files']}.npz").unlink()
     assert read_buffers(tmp_path) is None
 
     async def load(comm: Communicator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

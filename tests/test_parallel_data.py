@@ -5,6 +5,8 @@ across world sizes."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -253,6 +255,86 @@ async def test_checkpoint_rejects_another_model(tmp_path: Path) -> None:
             await load_checkpoint(as_distributed(MLP([5, 6, 3]), comm, SGD(lr=0.1)), tmp_path)
 
     await run_world(load, 2, "memory")
+
+
+async def test_a_save_cut_short_leaves_the_previous_checkpoint_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save over an existing checkpoint that one rank does not finish (killed, disk full)
+    leaves the previous checkpoint loadable as it was. It used to leave a mix: rank 0 had
+    replaced its shard and meta.json, rank 1's shard was the old one, and the mix loaded
+    without a word (half the layers from one save, half from the other)."""
+    import asynccoll.parallel.checkpoint as ckpt
+
+    real = ckpt._write_atomic
+
+    def rank_1_dies(target: Path, write: Any) -> None:
+        if not target.name.startswith("shard-00001"):
+            return real(target, write)
+        # the worst moment: after rank 0 has written whatever it writes without waiting
+        meta, start = tmp_path / "meta.json", time.monotonic()
+        before = meta.read_bytes()
+        while meta.read_bytes() == before and time.monotonic() - start < 1.0:
+            time.sleep(0.01)
+        raise OSError(28, "No space left on device")
+
+    saved: dict[str, np.ndarray] = {}
+
+    async def rank(comm: Communicator) -> None:
+        dist = as_distributed(MLP(SIZES, seed=3), comm, SGD(lr=0.5, momentum=0.9))
+        await dist.step(split_batch(batches(1)[0], comm.rank, comm.world_size))
+        await save_checkpoint(dist, tmp_path)
+        saved.update(await dist.full_parameters())
+        for batch in batches(3, seed=2):
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+        if comm.rank == 1:
+            monkeypatch.setattr(ckpt, "_write_atomic", rank_1_dies)
+        await save_checkpoint(dist, tmp_path)
+
+    with pytest.raises(OSError, match="No space"):
+        await run_world(rank, 2, "memory")
+    monkeypatch.setattr(ckpt, "_write_atomic", real)
+    got = load_parameters(tmp_path)
+    assert sorted(got) == sorted(saved)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, saved[name], err_msg=name)
+    assert read_meta(tmp_path)["step"] == 1
+
+
+def _names(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def _as_version_1(path: Path) -> None:
+    """Make the checkpoint at ``path`` look as version 1 wrote it."""
+    meta = read_meta(path)
+    tag = meta.pop("files")
+    meta["version"] = 1
+    for p in path.iterdir():
+        p.rename(path / p.name.replace(f"-{tag}", ""))
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+async def test_a_checkpoint_saved_again_keeps_only_its_own_files(tmp_path: Path) -> None:
+    """Saving over a checkpoint removes the files of the earlier saves (and the temporary
+    files of a write cut short), never anything else in the directory; a version-1
+    checkpoint (file names without the save's id) still loads."""
+    async def save(comm: Communicator) -> None:
+        await save_checkpoint(as_distributed(MLP(SIZES, seed=3), comm, SGD(lr=0.1)), tmp_path)
+
+    await run_world(save, 3, "memory")
+    want = load_parameters(tmp_path)
+    _as_version_1(tmp_path)
+    for name, value in load_parameters(tmp_path).items():
+        np.testing.assert_array_equal(value, want[name])
+    (tmp_path / "shard-00000.npz.tmp123").write_bytes(b"cut short")
+    (tmp_path / "notes.txt").write_text("mine")
+    await run_world(save, 2, "memory")
+    tag = read_meta(tmp_path)["files"]
+    assert _names(tmp_path) == [
+        f"buffers-{tag}.npz", "meta.json", "notes.txt",
+        f"shard-00000-{tag}.npz", f"shard-00001-{tag}.npz"]
+    for name, value in load_parameters(tmp_path).items():
+        np.testing.assert_array_equal(value, want[name])
 
 
 async def test_early_stop_consensus() -> None:

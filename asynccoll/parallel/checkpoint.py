@@ -5,11 +5,17 @@ A checkpoint is a directory:
 * ``meta.json``: format version, strategy, world size, the flat layout (every parameter's name,
   shape, unit and flat range; every rank's shard as flat ranges), the dtype, the optimizer's
   class, hyperparameters and step count;
-* ``shard-RRRRR.npz``, one per rank: ``params`` (the rank's shard of the flat parameters, in
-  the order of its ranges) and ``opt.NAME`` for every optimizer buffer (the same ranges);
-* ``buffers.npz``, written by rank 0: the model's persistent buffers (BatchNorm's running
+* ``shard-RRRRR-ID.npz``, one per rank: ``params`` (the rank's shard of the flat parameters,
+  in the order of its ranges) and ``opt.NAME`` for every optimizer buffer (the same ranges);
+* ``buffers-ID.npz``, written by rank 0: the model's persistent buffers (BatchNorm's running
   statistics...; ``Model.buffer_specs``) by name, rank 0's, as torch's ``state_dict()`` holds
   them; ``meta.json`` lists them (name, shape, dtype) under ``buffers``.
+
+``ID`` (``files`` in ``meta.json``) is new for every save, and ``meta.json`` is replaced last,
+once every rank's files are on disk: a save cut short (a rank killed, a full disk) leaves the
+previous checkpoint whole, never a mix of two saves. The next save removes the files of the
+saves ``meta.json`` no longer names. (Version 1 checkpoints, ``shard-RRRRR.npz`` and
+``buffers.npz`` without ``ID``, still load.)
 
 Every rank writes only its own shard, whatever the strategy (replicated state is cut the same
 way), so the files add up to one copy of everything. Loading reassembles the whole flat arrays
@@ -28,9 +34,12 @@ is logged if the model has any.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -40,28 +49,73 @@ from .data_parallel import DistributedModel
 from .model import Model
 
 FORMAT = "asynccoll-checkpoint"
-VERSION = 1
+VERSION = 2
+#: the versions read_meta accepts (1: file names without the save's id)
+READABLE_VERSIONS = (1, 2)
 BUFFERS_FILE = "buffers.npz"
+#: what a save writes into a checkpoint's directory (and so may remove there): shards, the
+#: buffers, and the temporary files of a write cut short
+_OURS = re.compile(r"(shard-\d{5}|buffers)(-[0-9a-f]+)?\.npz(\.tmp\d+)?|meta\.json\.tmp\d+")
 
 log = logging.getLogger("asynccoll.parallel.checkpoint")
 
 
-def _shard_file(path: Path, rank: int) -> Path:
-    return path / f"shard-{rank:05d}.npz"
+def _shard_file(path: Path, rank: int, tag: str | None) -> Path:
+    return path / (f"shard-{rank:05d}.npz" if tag is None else f"shard-{rank:05d}-{tag}.npz")
+
+
+def _buffers_file(path: Path, tag: str | None) -> Path:
+    return path / (BUFFERS_FILE if tag is None else f"buffers-{tag}.npz")
+
+
+def _tag(meta: dict[str, Any]) -> str | None:
+    """The id in the names of the checkpoint's files (``None``: version 1 names)."""
+    tag = meta.get("files")
+    if tag is not None and not (isinstance(tag, str) and re.fullmatch(r"[0-9a-f]+", tag)):
+        raise ValueError(f"meta.json: bad 'files' {tag!r}")
+    return tag
 
 
 def _write_atomic(target: Path, write: Any) -> None:
+    """Write ``target`` whole or not at all (a temporary file, on disk, then renamed)."""
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _sync_dir(path: Path) -> None:
+    """Make the renames in ``path`` durable (where the platform can)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove_other_saves(root: Path, tag: str) -> None:
+    """Remove what earlier (or cut short) saves left in ``root``: files of ours whose names
+    do not carry ``tag``."""
+    for entry in root.iterdir():
+        if _OURS.fullmatch(entry.name) and f"-{tag}." not in entry.name:
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) -> None:
     """Save ``dist``'s parameters and optimizer state under directory ``path``.
 
     A collective: every rank of ``dist.comm`` calls it. Returns once every shard and the
-    metadata are on disk.
+    metadata are on disk. Until then ``path`` holds the checkpoint saved there before, if
+    any, whole: a save that fails or is cut short on any rank leaves it loadable.
     """
     root = Path(path)
     await dist.start()                  # before the first pass, rank 0's parameters win
@@ -82,17 +136,29 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
                         for n, v in model_buffers.items()],
         }
 
+    # this save's files get names of their own; meta.json, replaced once all are written,
+    # says which files are the checkpoint
+    tag = await dist.comm.broadcast_object(secrets.token_hex(8) if dist.rank == 0 else None)
+
     def write() -> None:
         root.mkdir(parents=True, exist_ok=True)
-        _write_atomic(_shard_file(root, dist.rank),
+        _write_atomic(_shard_file(root, dist.rank, tag),
                       lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
         if meta is not None:
-            _write_atomic(root / BUFFERS_FILE,
+            _write_atomic(_buffers_file(root, tag),
                           lambda f: np.savez(f, **model_buffers))  # type: ignore[arg-type]
-            _write_atomic(root / "meta.json",
-                          lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+    def commit() -> None:
+        assert meta is not None
+        _write_atomic(root / "meta.json",
+                      lambda f: f.write(json.dumps({**meta, "files": tag}, indent=1).encode()))
+        _sync_dir(root)
+        _remove_other_saves(root, tag)
 
     await asyncio.to_thread(write)      # the event loop keeps serving the other ranks
+    await dist.comm.barrier()           # every rank's files are on disk
+    if meta is not None:
+        await asyncio.to_thread(commit)
     await dist.comm.barrier()
 
 
@@ -103,8 +169,9 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         meta = json.loads(file.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is not a checkpoint: no meta.json") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{file}: not an {FORMAT} version {VERSION} file")
+    if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
+        raise ValueError(f"{file}: not an {FORMAT} file of version "
+                         f"{' or '.join(map(str, READABLE_VERSIONS))}")
     return meta
 
 
@@ -121,7 +188,7 @@ def read_full(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray,
     buffers = {n: np.empty(size, dtype) for n in names}
     filled = np.zeros(size, bool)
     for rank, ranges in enumerate(lay["shards"]):
-        with np.load(_shard_file(root, rank)) as z:
+        with np.load(_shard_file(root, rank, _tag(meta))) as z:
             targets = [("params", params)] + [(f"opt.{n}", buffers[n]) for n in names]
             for key, whole in targets:
                 piece = z[key]
@@ -150,11 +217,12 @@ def read_buffers(path: str | os.PathLike[str]) -> dict[str, np.ndarray] | None:
     if not listed:
         return {}
     out: dict[str, np.ndarray] = {}
-    with np.load(root / BUFFERS_FILE) as z:
+    file = _buffers_file(root, _tag(meta))
+    with np.load(file) as z:
         for entry in listed:
             name = entry["name"]
             if name not in z.files:
-                raise ValueError(f"{root}: {BUFFERS_FILE} lacks buffer {name!r}")
+                raise ValueError(f"{root}: {file.name} lacks buffer {name!r}")
             value = z[name]
             if (list(value.shape) != list(entry["shape"])
                     or value.dtype != np.dtype(entry["dtype"])):
