@@ -29,7 +29,7 @@ from .layout import FlatLayout
 from .local import flat_parameters, train_locally
 from .mesh import Mesh, MeshCoords, MeshShape
 from .mlp import MLP
-from .model import BufferSpec, Hooks, Model, NoHooks, ParamSpec, split_batch
+from .model import BufferSpec, Hooks, Model, ModelParallelGroup, NoHooks, ParamSpec, split_batch
 from .optim import SGD, Adam, AdamW, Optimizer
 from .param_server import AsyncSGD, PushResult, ServerStats, WorkerStats
 from .pipeline import (
@@ -90,6 +90,7 @@ __all__ = [
     "MeshCoords",
     "MeshShape",
     "Model",
+    "ModelParallelGroup",
     "NoHooks",
     "Optimizer",
     "ParallelLinear",

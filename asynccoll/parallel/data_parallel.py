@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,9 +43,18 @@ import numpy as np
 from ..collectives import Communicator
 from ..ops import ReduceOp
 from ._failure import break_comm
+from .clip import (
+    SquareSum,
+    check_max_norm,
+    clip_coefficient,
+    counted,
+    excluded_ranges,
+    global_sum,
+    nonfinite_error,
+)
 from .compression import Compression, make_compression
 from .layout import Bucket, FlatLayout
-from .model import Model
+from .model import Model, ModelParallelGroup
 from .optim import Optimizer, step_keeping
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3"]
@@ -126,12 +136,17 @@ class DistributedModel:
             every rank as torch's DDP does by default: rank 0's reach every rank at the start
             of each forward pass that follows a training pass with gradient exchange (and at
             the first one). ``False``: every rank keeps its own. Must be the same on every rank.
+        max_grad_norm: clip the averaged gradient to this global L2 norm in every
+            ``optimizer_step`` (and so ``step``) before the optimizer runs, as
+            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` after backward; the
+            norm is then in ``last_grad_norm``. See ``clip_grad_norm``. Default ``None``: no
+            clipping.
     """
 
     def __init__(self, model: Model, comm: Communicator, optimizer: Optimizer | None = None, *,
                  strategy: str = "ddp", bucket_bytes: int | None = None,
                  compression: Compression | str | None = None, prefetch: bool = True,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, max_grad_norm: float | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if compression is not None and compression != "none" and strategy not in ("ddp", "zero1"):
@@ -145,6 +160,11 @@ class DistributedModel:
         self.compression = make_compression(compression)
         self.prefetch = prefetch
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        #: the global gradient norm the last clipping found (before clipping), or None
+        self.last_grad_norm: float | None = None
+        self._clipped = False           # clip_grad_norm ran since the last pass or step
+        self._norm_groups: list[ModelParallelGroup] | None = None
         self.rank, self.world_size = comm.rank, comm.world_size
         self.layout = lay = FlatLayout(model.param_specs(), comm.world_size, bucket_bytes)
         self._sync = True
@@ -268,6 +288,7 @@ class DistributedModel:
         await self.start()
         await self._before_pass()
         self._buffers_due = self._sync
+        self._clipped = False
         return await self._pass(self.model.forward_backward(batch, _Hooks(self, backward=True)))
 
     async def loss(self, batch: Any) -> float:
@@ -336,6 +357,9 @@ class DistributedModel:
             if opt is not self._optimizer and opt.hyper != hyper:
                 opt._configure(hyper)
         self._frozen = lay.frozen_ranges(self.model.param_specs())
+        if self.max_grad_norm is not None and not self._clipped:
+            await self._clip(self.max_grad_norm, False)
+        self._clipped = False
         if self.strategy == "ddp":
             assert self._params is not None and self._grads is not None
             self._opt_step(self._opts[0], self._params, self._grads, 0)
@@ -379,9 +403,70 @@ class DistributedModel:
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradients (``optimizer_step`` does this itself)."""
+        self._clipped = False
         for g in (self._grads, self._shard_grads):
             if g is not None:
                 g.fill(0)
+
+    async def clip_grad_norm(self, max_norm: float, *,
+                             error_if_nonfinite: bool = False) -> float:
+        """Clip the averaged gradient (after the passes, before ``optimizer_step``) to the
+        global L2 norm ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``: the norm over
+        every trainable parameter (frozen ones left out) of the whole model, whatever this
+        rank holds of it; the gradients are multiplied by ``max_norm / (norm + 1e-6)`` when
+        that is below 1. Returns the norm before clipping (also in ``last_grad_norm``), the
+        same on every rank. ``max_norm=math.inf`` only measures it.
+
+        A collective when the gradient is split over ranks (every rank calls it): ZeRO-2/3
+        sum their shards' squares with one scalar all-gather over ``comm``, and a model split
+        over ranks (``Model.model_parallel_groups``: pipeline stages, tensor shards) with one
+        over each of its groups; ``ddp`` and ``zero1`` hold the whole averaged gradient and
+        communicate nothing. Call it outside ``no_sync`` (the gradients must be averaged).
+        ``optimizer_step`` does not clip again when the wrapper has ``max_grad_norm``.
+
+        A non-finite norm scales the gradients by NaN (or 0), as torch's default does: check
+        the returned norm and call ``zero_grad`` instead of ``optimizer_step`` to skip such
+        a step. With ``error_if_nonfinite``, it raises ``FloatingPointError`` (on every
+        rank) and leaves the gradients as they were.
+        """
+        max_norm = check_max_norm(max_norm)
+        await self.start()
+        self._frozen = self.layout.frozen_ranges(self.model.param_specs())
+        total = await self._clip(max_norm, error_if_nonfinite)
+        self._clipped = True
+        return total
+
+    async def _clip(self, max_norm: float, error_if_nonfinite: bool) -> float:
+        """Clip the gradients the optimizer steps (``self._frozen`` up to date)."""
+        lay, r = self.layout, self.rank
+        if self._norm_groups is None:
+            self._norm_groups = self.model.model_parallel_groups()
+        groups = self._norm_groups
+        specs = self.model.param_specs()
+        excluded = excluded_ranges(lay, specs, groups) if groups else self._frozen
+        squares = SquareSum()
+        if self._shard_grads is not None:
+            for b in lay.buckets:
+                first = b.start + b.blocks[r][0]
+                block = lay.shard_block(self._shard_grads, r, b)
+                for a, e in counted(first, first + block.size, excluded):
+                    squares.add(block[a - first:e - first])
+            comms = [self.comm, *(g.comm for g in groups)]
+        else:
+            assert self._grads is not None
+            for a, e in counted(0, lay.size, excluded):
+                squares.add(self._grads[a:e])
+            comms = [g.comm for g in groups]
+        total = math.sqrt(await global_sum(squares.total, comms))
+        self.last_grad_norm = total
+        if error_if_nonfinite and not math.isfinite(total):
+            raise nonfinite_error(total)
+        coef = clip_coefficient(max_norm, total)
+        if coef is not None:
+            for g in (self._grads, self._shard_grads):
+                if g is not None:
+                    g *= coef
+        return total
 
     async def should_stop(self, stop: bool) -> bool:
         """True on every rank if any rank passed True (early-stopping consensus)."""

@@ -26,7 +26,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None = None, *,
                    strategy: str = "ddp", compression: Compression | str | None = None,
                    bucket_bytes: int | None = None, preset: str | None = None,
-                   prefetch: bool = True, broadcast_buffers: bool = True) -> DistributedModel:
+                   prefetch: bool = True, broadcast_buffers: bool = True,
+                   max_grad_norm: float | None = None) -> DistributedModel:
     """Wrap ``model`` for data-parallel training over ``comm``.
 
     Args:
@@ -41,6 +42,9 @@ def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None
             (BatchNorm statistics...) reach every rank at the start of each forward pass
             after a training step; ``False`` leaves every rank its own (see
             ``DistributedModel``).
+        max_grad_norm: clip the averaged gradient to this global L2 norm at every step
+            (torch's ``clip_grad_norm_``); the norm is in ``last_grad_norm`` (see
+            ``DistributedModel.clip_grad_norm``).
     """
     settings: dict[str, Any] = {}
     if preset is not None:
@@ -52,7 +56,8 @@ def as_distributed(model: Model, comm: Communicator, optimizer: Optimizer | None
     if bucket_bytes is not None:
         settings["bucket_bytes"] = bucket_bytes
     return DistributedModel(model, comm, optimizer, strategy=strategy, prefetch=prefetch,
-                            broadcast_buffers=broadcast_buffers, **settings)
+                            broadcast_buffers=broadcast_buffers, max_grad_norm=max_grad_norm,
+                            **settings)
 
 
 def as_distributed_for_high_bandwidth(model: Model, comm: Communicator,

@@ -34,7 +34,7 @@ from ._mlp_math import check_targets, mean_loss
 from .data_parallel import DistributedModel
 from .mesh import Mesh
 from .mlp import MLP
-from .model import ParamSpec, split_batch
+from .model import ModelParallelGroup, ParamSpec, split_batch
 from .optim import Optimizer
 from .pipeline import (
     MLPStage,
@@ -112,6 +112,10 @@ class TensorParallelStage(Stage):
     def clear(self) -> None:
         self._saved.clear()
 
+    def model_parallel_groups(self) -> list[ModelParallelGroup]:
+        return [ModelParallelGroup(comm=g.comm, replicated=frozenset(
+            self._global(n) for n in g.replicated)) for g in self.inner.model_parallel_groups()]
+
     async def forward(self, mb: int, x: np.ndarray, *, grad: bool = True) -> np.ndarray:
         if grad:
             self._saved.check_free(mb)
@@ -175,7 +179,8 @@ class Hybrid:
         Every rank passes the same ``mlp`` (its parameters are the starting point), sizes
         and settings. ``data_parallel`` goes to
         ``DistributedModel`` (``bucket_bytes``,
-        ``compression``, ``prefetch``).
+        ``compression``, ``prefetch``, ``max_grad_norm``: clipping by the global norm over
+        the whole model, every stage and tensor shard; ``dist.last_grad_norm``).
         """
         mesh = await Mesh.create(comm, data=data, pipe=pipe, tensor=tensor)
         layers = mlp_partition(mlp, mesh.shape.pipe, cuts=cuts, balance=balance)

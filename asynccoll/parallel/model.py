@@ -15,9 +15,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..collectives import Communicator
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +65,20 @@ class BufferSpec:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelParallelGroup:
+    """Ranks that hold the other parts of a model split over them (a pipe group, a tensor
+    group), for the global gradient norm.
+
+    ``replicated`` names this rank's parameters that every rank of the group holds whole,
+    with the same gradient (a row-parallel layer's bias, a replicated layer): the norm counts
+    them once, on the group's rank 0.
+    """
+
+    comm: Communicator
+    replicated: frozenset[str] = frozenset()
 
 
 class Hooks(Protocol):
@@ -137,6 +154,13 @@ class Model(abc.ABC):
         for every use: a model may replace a buffer's array (torch modules may reassign
         one)."""
         return {}
+
+    def model_parallel_groups(self) -> list[ModelParallelGroup]:
+        """For a model split over ranks (pipeline stages, tensor shards), the groups of ranks
+        that hold its other parts, innermost first: the global gradient norm
+        (``DistributedModel.clip_grad_norm``) sums over them. None for a model that is whole
+        on every rank (the default)."""
+        return []
 
     @abc.abstractmethod
     def bind(self, params: Mapping[str, np.ndarray] | None = None,

@@ -38,6 +38,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -55,9 +56,17 @@ from ._mlp_math import (
     dense,
     mean_loss,
 )
+from .clip import (
+    SquareSum,
+    check_max_norm,
+    clip_coefficient,
+    counted,
+    excluded_ranges,
+    global_sum,
+)
 from .layout import FlatLayout
 from .mlp import MLP, _BoundArrays, _LayerArrays
-from .model import Hooks, Model, NoHooks, ParamSpec
+from .model import Hooks, Model, ModelParallelGroup, NoHooks, ParamSpec
 from .optim import Optimizer, step_keeping
 
 if TYPE_CHECKING:
@@ -333,6 +342,11 @@ class Stage(abc.ABC):
     def clear(self) -> None:
         """Forget the saved state of every micro-batch (after a failed pass)."""
 
+    def model_parallel_groups(self) -> list[ModelParallelGroup]:
+        """As ``Model.model_parallel_groups``, for a stage itself split over ranks (a
+        tensor-parallel stage); none by default."""
+        return []
+
 
 class MLPStage(_LayerArrays, Stage):
     """Layers ``[start, stop)`` of an ``MLP``, with its math.
@@ -494,6 +508,13 @@ class TorchStage(_BoundArrays, Stage):
         return [s if s.trainable == self._tparams[s.name].requires_grad
                 else dataclasses.replace(s, trainable=bool(self._tparams[s.name].requires_grad))
                 for s in self._specs]
+
+    def model_parallel_groups(self) -> list[ModelParallelGroup]:
+        """The tensor group of the module's ``ColumnParallelLinear``/``RowParallelLinear``
+        layers, if it has some (see ``tensor.torch_model_parallel_groups``)."""
+        from .tensor import torch_model_parallel_groups
+
+        return torch_model_parallel_groups(self.module)
 
     @property
     def held(self) -> int:
@@ -678,6 +699,8 @@ class PipelineParallel(Model):
         #: sets it to ``data * n / N`` for a replica's share of ``n`` of ``N`` samples, so
         #: that the plain mean of the replicas' gradients is that of the whole batch
         self._loss_scale = 1.0
+        #: the global gradient norm ``step(..., max_grad_norm=)`` found last, or None
+        self.last_grad_norm: float | None = None
 
     def __repr__(self) -> str:
         return (f"<PipelineParallel stage {self.stage_index}/{self.num_stages} {self.schedule} "
@@ -707,6 +730,12 @@ class PipelineParallel(Model):
     def parameters(self) -> dict[str, np.ndarray]:
         return self.stage.parameters()
 
+    def model_parallel_groups(self) -> list[ModelParallelGroup]:
+        """The stage's own groups (a tensor-parallel stage's), then the pipe group: the
+        global gradient norm sums over every stage."""
+        pipe = [ModelParallelGroup(comm=self.comm)] if self.num_stages > 1 else []
+        return [*self.stage.model_parallel_groups(), *pipe]
+
     def bind(self, params: Mapping[str, np.ndarray] | None = None,
              grads: Mapping[str, np.ndarray] | None = None) -> None:
         self.stage.bind(params, grads)
@@ -726,11 +755,19 @@ class PipelineParallel(Model):
         """The mean loss over ``batch`` without gradients (forwards only, nothing kept)."""
         return await self._pass(batch, hooks, train=False)
 
-    async def step(self, batch: Any, optimizer: Optimizer) -> float:
+    async def step(self, batch: Any, optimizer: Optimizer, *,
+                   max_grad_norm: float | None = None) -> float:
         """Pipeline-only training: one pass, then ``optimizer`` steps this stage's parameters
         (each stage its own; the optimizers are elementwise, so this is the optimizer of the
         whole model; frozen parameters, ``ParamSpec.trainable`` False, are left as they
         are) and the gradients are zeroed. Returns the loss.
+
+        ``max_grad_norm`` clips the gradient to that global L2 norm first, as torch's
+        ``clip_grad_norm_`` over the whole model's trainable parameters: every stage sums its
+        squares, one scalar all-gather over the pipe group (and one over a tensor-parallel
+        stage's group) adds them up. The norm, the same on every stage, is then in
+        ``last_grad_norm``; a non-finite one scales the gradients by NaN (or 0), as torch's
+        default does.
 
         The first call moves the stage's parameters into one flat array and binds the stage
         to it; do not mix with a data-parallel wrapper (use ``DistributedModel(pp,
@@ -747,9 +784,22 @@ class PipelineParallel(Model):
             self.bind(params=lay.views(flat), grads=lay.views(grads))
             self._local = flat, grads, lay
         params, grads, lay = self._local
+        if max_grad_norm is not None:
+            max_grad_norm = check_max_norm(max_grad_norm)
         loss = await self.forward_backward(batch)
+        specs = self.param_specs()
+        if max_grad_norm is not None:
+            groups = self.model_parallel_groups()
+            squares = SquareSum()
+            for a, b in counted(0, lay.size, excluded_ranges(lay, specs, groups)):
+                squares.add(grads[a:b])
+            total = math.sqrt(await global_sum(squares.total, [g.comm for g in groups]))
+            self.last_grad_norm = total
+            coef = clip_coefficient(max_grad_norm, total)
+            if coef is not None:
+                grads *= coef
         # frozen parameters (a TorchStage's requires_grad=False) stay as they are
-        step_keeping(optimizer, params, grads, 0, lay.frozen_ranges(self.param_specs()))
+        step_keeping(optimizer, params, grads, 0, lay.frozen_ranges(specs))
         grads.fill(0)
         return loss
 

@@ -58,7 +58,7 @@ from ._mlp_math import (
 )
 from .layout import split_bounds
 from .mlp import MLP, _LayerArrays
-from .model import Hooks, Model, NoHooks, ParamSpec
+from .model import Hooks, Model, ModelParallelGroup, NoHooks, ParamSpec
 
 if TYPE_CHECKING:
     from ..collectives import Communicator
@@ -241,6 +241,38 @@ class Replicated(ParallelLinear):
         return grad @ weight
 
 
+def replicated_params(layer: ParallelLinear) -> tuple[str, ...]:
+    """Which of ``weight``/``bias`` every rank of the group holds whole: a row-parallel
+    layer's bias, a replicated layer's both (their gradients are the same on every rank)."""
+    if isinstance(layer, Replicated):
+        return ("weight", "bias")
+    return ("bias",) if isinstance(layer, RowParallel) else ()
+
+
+def torch_model_parallel_groups(module: Any) -> list[ModelParallelGroup]:
+    """The tensor group of a torch module's ``ColumnParallelLinear``/``RowParallelLinear``
+    layers, for the global gradient norm: every parameter but the layers' shards (their
+    weights, a column layer's bias) is taken to be held whole by every rank of the group,
+    as Megatron-style models hold it. None when the module has no such layer (over more
+    than one rank); ``ValueError`` when its layers use different groups."""
+    groups: dict[int, Communicator] = {}
+    sharded: set[str] = set()
+    for prefix, m in module.named_modules():
+        split = getattr(m, "split", None)
+        if isinstance(split, ParallelLinear) and split.comm.world_size > 1:
+            groups[id(split.comm)] = split.comm
+            sharded.update(f"{prefix}.{kind}" if prefix else kind for kind in ("weight", "bias")
+                           if kind not in replicated_params(split))
+    if not groups:
+        return []
+    if len(groups) > 1:
+        raise ValueError("the module's tensor-parallel layers use different communicators; "
+                         "the global gradient norm needs them all over one tensor group")
+    names = [n for n, _ in module.named_parameters()]
+    return [ModelParallelGroup(comm=next(iter(groups.values())),
+                               replicated=frozenset(n for n in names if n not in sharded))]
+
+
 def megatron_layers(sizes: Sequence[int], comm: Communicator) -> list[ParallelLinear]:
     """The layers of an MLP of widths ``sizes`` split over ``comm``: column, row, column,
     row, ...; when the number of layers is odd the last one is ``Replicated``. Every
@@ -323,6 +355,15 @@ class TensorParallelMLP(_LayerArrays, Model):
     @property
     def num_units(self) -> int:
         return len(self.layers)
+
+    def model_parallel_groups(self) -> list[ModelParallelGroup]:
+        """The tensor group (the global gradient norm sums the shards over it, counting
+        the parameters every rank holds whole once)."""
+        if self.comm.world_size == 1:
+            return []
+        return [ModelParallelGroup(comm=self.comm, replicated=frozenset(
+            f"layers.{i}.{kind}" for i, layer in enumerate(self.layers)
+            for kind in replicated_params(layer)))]
 
     async def forward_backward(self, batch: Any, hooks: Hooks | None = None) -> float:
         """Loss of the whole ``batch = (x, y)`` (mean over samples, the same on every rank

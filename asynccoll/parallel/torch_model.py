@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .mlp import _BoundArrays
-from .model import BufferSpec, Hooks, Model, NoHooks, ParamSpec
+from .model import BufferSpec, Hooks, Model, ModelParallelGroup, NoHooks, ParamSpec
 
 if TYPE_CHECKING:
     import torch
@@ -356,6 +356,15 @@ class TorchModel(_BoundArrays, Model):
         return [s if s.trainable == self._tparams[s.name].requires_grad
                 else dataclasses.replace(s, trainable=bool(self._tparams[s.name].requires_grad))
                 for s in self._specs]
+
+    def model_parallel_groups(self) -> list[ModelParallelGroup]:
+        """The tensor group of the module's ``ColumnParallelLinear``/``RowParallelLinear``
+        layers, if it has some: the global gradient norm sums the shards over it (every
+        other parameter is taken to be the same on every rank of the group, as in a
+        Megatron-style model)."""
+        from .tensor import torch_model_parallel_groups
+
+        return torch_model_parallel_groups(self.module)
 
     def buffer_specs(self) -> list[BufferSpec]:
         """The module's buffers, in ``module.named_buffers()`` order."""
