@@ -477,3 +477,28 @@ async def test_torch_tensor_parallel_layers_as_torch() -> None:
     assert_identical(results)
     np.testing.assert_allclose(results[0][0], want_norms, rtol=1e-10)
     assert_close(results[0][1], want)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex64])
+def test_square_sum_is_float64_and_independent_of_addresses(dtype: Any) -> None:
+    """The squares are summed in float64 (complex: |z|^2) whatever the gradient dtype, and a
+    copy of the same values at another address sums to the same bits."""
+    from asynccoll.parallel.clip import SquareSum
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(150_001)
+    if np.dtype(dtype).kind == "c":
+        x = x + 1j * rng.standard_normal(x.size)
+    x = x.astype(dtype)
+    wide = x.astype(np.complex128 if np.dtype(dtype).kind == "c" else np.float64)
+    want = math.fsum((np.abs(wide) ** 2).tolist())
+    sums = []
+    for shift in range(3):
+        moved = np.empty(x.size + shift, dtype)[shift:]
+        moved[...] = x
+        squares = SquareSum()
+        squares.add(moved[:70_000])
+        squares.add(moved[70_000:])
+        sums.append(squares.total)
+    assert sums[0] == pytest.approx(want, rel=1e-13)
+    assert sums == [sums[0]] * 3

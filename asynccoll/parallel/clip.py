@@ -64,6 +64,7 @@ class SquareSum:
     def __init__(self) -> None:
         self._parts: list[float] = []
         self._scratch: np.ndarray | None = None
+        self._imag: np.ndarray | None = None
 
     def add(self, array: np.ndarray) -> None:
         flat = array.reshape(-1)
@@ -75,8 +76,12 @@ class SquareSum:
             part = flat[i:i + _CHUNK]
             s = self._scratch[:part.size]
             if part.dtype.kind == "c":
-                np.abs(part, out=s)
-                np.multiply(s, s, out=s)
+                if self._imag is None:
+                    self._imag = _aligned_scratch(_CHUNK)
+                t = self._imag[:part.size]
+                np.multiply(part.real, part.real, out=s, dtype=np.float64)
+                np.multiply(part.imag, part.imag, out=t, dtype=np.float64)
+                s += t
             else:
                 np.multiply(part, part, out=s, dtype=np.float64)
             self._parts.append(float(s.sum()))
