@@ -123,6 +123,33 @@ def test_ddp_and_zero3_train_under_mpirun() -> None:
 
 
 @needs_mpi
+@pytest.mark.timeout(150)
+def test_buffers_of_a_failed_collective_outlive_the_interpreter() -> None:
+    """MPI_Finalize runs after Python freed its objects and still moves the data of requests
+    failed collectives left pending: their buffers were freed by then, and the job hung in
+    MPI_Finalize ('writev error ... Bad address') or a rank segfaulted at exit, in about two
+    runs of three (hence three runs, giving up at different moments)."""
+    launcher = _launcher()
+    assert launcher is not None
+    gave_up = 0
+    for give_up in ("0.003", "0.006", "0.012"):
+        try:
+            proc = subprocess.run([launcher, "-n", "2", "--mca", "btl", "tcp,self",
+                                   sys.executable, "tests/helpers/mpi_exit_after_failure.py",
+                                   give_up], cwd=ROOT, env=_env(), capture_output=True,
+                                  text=True, timeout=40, check=False)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the MPI job hung at exit (MPI_Finalize moving data of freed "
+                        f"buffers), giving up after {give_up} s")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        assert "OK rank 0" in proc.stdout and "OK rank 1" in proc.stdout, out[-4000:]
+        assert "Bad address" not in out and "Segmentation" not in out, out[-4000:]
+        gave_up += "gave up rank 1" in proc.stdout
+    assert gave_up, "rank 1 never gave up: the case this is about did not happen"
+
+
+@needs_mpi
 @pytest.mark.timeout(120)
 def test_a_plain_python_process_is_a_world_of_one() -> None:
     """No launcher: MPI's singleton initialisation gives a world of one rank."""

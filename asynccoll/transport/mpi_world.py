@@ -9,6 +9,7 @@ the buffer and header helpers of the communicator.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 from typing import Any
 
@@ -89,6 +90,14 @@ def _from_header(head: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------------- world
 
+#: the requests (and buffers) of failed operations, of every world: never freed, not even as
+#: the interpreter shuts down. mpi4py calls MPI_Finalize after Python has torn down its
+#: objects, and MPI_Finalize still progresses pending requests: a buffer freed by then was
+#: written into (a segfault at exit, or peers hanging in theirs on the data it garbled)
+_ABANDONED: list[tuple[list[Any], tuple[Any, ...]]] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))
+
+
 class MpiWorld:
     """What a world communicator and its subgroups share.
 
@@ -115,7 +124,7 @@ class MpiWorld:
         self.bytes_sent = 0
         self._ops: dict[tuple[str, ReduceOp], Any] = {}
         self._sends: list[tuple[list[Any], tuple[Any, ...]]] = []
-        self._abandoned: list[tuple[list[Any], tuple[Any, ...]]] = []
+        self._abandoned = _ABANDONED
         self._status = mpi.Status()
         self._closed = False
         #: collectives and receives in progress on the world and its subgroups
