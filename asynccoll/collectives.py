@@ -438,6 +438,8 @@ class Communicator:
     async def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Overwrite ``array`` on every rank with root's ``array``; returns ``array``.
 
+        Root's ``array`` is only read (it may be read-only); the others' must be writable.
+
         Raises:
             CollectiveError: ranks passed different shapes/dtypes/roots (and subclasses for
                 lost peers and timeouts). ``array`` then holds undefined values on non-roots.
@@ -446,10 +448,11 @@ class Communicator:
         # a call like an earlier one skips the checks that depend only on dtype, shape, root
         key = (("broadcast", a.dtype, a.shape, root)
                if a.__class__ is np.ndarray and root.__class__ is int else None)
-        plan = self._reuse(key, a, True)
+        # root's array is only read (it may be read-only); the others' are written
+        plan = self._reuse(key, a, root.__class__ is not int or root != self._rank)
         if plan is None:
-            _check_array(a, writable=True)
             root = self._check_rank(root, "root")
+            _check_array(a, writable=root != self._rank)
             algo = self._tuning.broadcast(a.nbytes, self.world_size,
                                            crowded=self._transport.crowded)
             plan = self._plan(key, (("broadcast", *_sig_array(a), root, algo), algo))

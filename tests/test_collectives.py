@@ -303,8 +303,9 @@ async def test_broadcast_and_all_gather_plans_recheck_every_call(run, backend):
         assert_exact(await comm.broadcast(a, root=1), np.arange(8, dtype=np.float32) + 1)
         ro = np.zeros(8, np.float32)
         ro.flags.writeable = False
-        with pytest.raises(ValueError, match="is read-only but"):
-            await comm.broadcast(ro, root=1)
+        if r != 1:  # (a read-only array is fine on the root, which only reads it)
+            with pytest.raises(ValueError, match="is read-only but"):
+                await comm.broadcast(ro, root=1)
         with pytest.raises(TypeError, match="C-contiguous"):
             await comm.broadcast(np.zeros(16, np.float32)[::2], root=1)
         with pytest.raises(TypeError, match="root must be an int"):
@@ -394,6 +395,40 @@ async def test_broadcast_every_root(run, backend, tuning, world_size):
             res = await comm.broadcast(mine, root=root)
             assert res is mine
             assert_exact(mine, expected, f"broadcast {dtype} {shape} root {root}")
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_broadcast_reads_a_read_only_array_on_the_root(run, backend, tuning, world_size,
+                                                             tmp_path):
+    """Root's array is only read: one that is read-only (over a bytes object, a memmap opened
+    'r', a view with flags.writeable off) is broadcast, from every root, by every algorithm,
+    and the plan kept for the call still refuses one on a non-root."""
+    shape = (37, 3)  # 888 bytes: 14 segments of 64 B on RING
+    path = tmp_path / "root.bin"
+
+    async def fn(comm: Communicator) -> None:
+        w, r = comm.world_size, comm.rank
+        for root in range(w):
+            expected = make_input("float64", shape, root, root)
+            if r == root:
+                path.with_suffix(f".{root}").write_bytes(expected.tobytes())
+                sources = [np.frombuffer(expected.tobytes(), np.float64).reshape(shape),
+                           np.memmap(path.with_suffix(f".{root}"), np.float64, "r", shape=shape)]
+                view = expected.copy()
+                view.flags.writeable = False
+                sources.append(view)
+            for k in range(3):
+                mine = sources[k] if r == root else np.zeros(shape)
+                assert await comm.broadcast(mine, root=root) is mine
+                assert_exact(np.asarray(mine), expected, f"broadcast from root {root}, "
+                                                         f"source {k}")
+            if r != root:
+                ro = np.zeros(shape)
+                ro.flags.writeable = False
+                with pytest.raises(ValueError, match="is read-only but"):
+                    await comm.broadcast(ro, root=root)
 
     await run(fn, world_size, backend, tuning=tuning)
 

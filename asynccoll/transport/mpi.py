@@ -318,8 +318,8 @@ class MpiCommunicator(Communicator):
             CollectiveError: ranks passed different shapes/dtypes/roots (and subclasses for
                 timeouts). ``array`` then holds undefined values on non-roots.
         """
-        a = _check_array(array, writable=True)
         root = self._check_rank(root, "root")
+        a = _check_array(array, writable=self._rank != root)  # root's is only read
         if self.world_size == 1:
             self._check_open()
             return a
