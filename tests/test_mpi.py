@@ -151,6 +151,27 @@ def test_buffers_of_a_failed_collective_outlive_the_interpreter() -> None:
 
 @needs_mpi
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["close", "noclose", "group"])
+def test_a_message_nobody_received_does_not_crash_the_job(mode: str) -> None:
+    """The payload of a message that arrived but that no recv asked for, and the sender's
+    copy, were freed with their communicator (closed, dropped, or at exit) while MPI still
+    moved them: a segfault, or a hang in MPI_Finalize."""
+    launcher = _launcher()
+    assert launcher is not None
+    try:
+        proc = subprocess.run([launcher, "-n", "2", "--mca", "btl", "tcp,self", sys.executable,
+                               "tests/helpers/mpi_unreceived.py", mode], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the MPI job hung at exit (MPI_Finalize moving data of freed buffers)")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "OK rank 0" in proc.stdout and "OK rank 1" in proc.stdout, out[-4000:]
+    assert "Bad address" not in out and "Segmentation" not in out, out[-4000:]
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
 def test_a_plain_python_process_is_a_world_of_one() -> None:
     """No launcher: MPI's singleton initialisation gives a world of one rank."""
     code = ("import asyncio, numpy as np, asynccoll\n"

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -91,6 +92,7 @@ from .mpi_world import (
     _from_header,
     _header,
     import_mpi,
+    keep_pending,
     mpi_launched,
 )
 
@@ -210,11 +212,14 @@ class MpiCommunicator(Communicator):
         self._tickets = 0
         self._turns = (Turns(), Turns())
         self._p2p_waiting: dict[tuple[int, int], deque[asyncio.Future[Any]]] = {}
-        self._p2p_early: dict[tuple[int, int], deque[tuple[np.ndarray, Any]]] = {}
         self._p2p_status = world.mpi.Status()
         #: collectives and receives in progress: a group closed under them frees its MPI
         #: communicators after the last one (as on the other backends, they go on)
         self._calls = 0
+        #: payloads being received for messages no recv asked for yet, by (src, tag); what
+        #: is left of them when the communicator is closed or dropped is never freed
+        self._p2p_early: dict[tuple[int, int], deque[tuple[np.ndarray, Any]]] = {}
+        self._keep_early = weakref.finalize(self, _keep_early, world.mpi, self._p2p_early)
 
     @property
     def mpi_comm(self) -> Any:
@@ -849,6 +854,7 @@ class MpiCommunicator(Communicator):
             self._free()
 
     def _free(self) -> None:
+        self._keep_early()
         if self._world.broken is None and self._stage_comms[0] != self._mpi.COMM_NULL:
             # (a broken world keeps everything: MPI may still write into its buffers)
             for comm in (*self._stage_comms, self._meta, self._p2p):
@@ -862,6 +868,13 @@ class MpiCommunicator(Communicator):
     def _move(self, a: np.ndarray) -> list[Any]:
         """Buffer spec that moves ``a``'s bytes (element-sized units: counts stay small)."""
         return [_flat_bytes(a), a.size, self._move_type(a.dtype)]
+
+
+def _keep_early(mpi: Any, early: dict[tuple[int, int], deque[tuple[np.ndarray, Any]]]
+                ) -> None:
+    """The payloads of messages nobody received: MPI may still be writing them."""
+    keep_pending(mpi, [([req], (arr,)) for queue in early.values() for arr, req in queue])
+    early.clear()
 
 
 def _check_item(x: Any, what: str) -> np.ndarray:

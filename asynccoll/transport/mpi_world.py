@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import weakref
 from typing import Any
 
 import msgpack
@@ -98,6 +99,20 @@ _ABANDONED: list[tuple[list[Any], tuple[Any, ...]]] = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))
 
 
+def keep_pending(mpi: Any, items: list[tuple[list[Any], tuple[Any, ...]]]) -> None:
+    """Move the ``(requests, buffers)`` of ``items`` that MPI has not completed to the list
+    that is never freed, and empty ``items``: what their owner leaves behind as it is closed,
+    dropped or the interpreter ends (a message nobody received, a send nobody took)."""
+    for reqs, keep in items:
+        try:
+            done = bool(mpi.Request.Testall(reqs))
+        except Exception:  # MPI finalized or failed: keep them, whatever their state
+            done = False
+        if not done:
+            _ABANDONED.append((reqs, keep))
+    items.clear()
+
+
 class MpiWorld:
     """What a world communicator and its subgroups share.
 
@@ -124,6 +139,8 @@ class MpiWorld:
         self.bytes_sent = 0
         self._ops: dict[tuple[str, ReduceOp], Any] = {}
         self._sends: list[tuple[list[Any], tuple[Any, ...]]] = []
+        # sends still going out when the world is dropped unclosed (or the interpreter ends)
+        weakref.finalize(self, keep_pending, mpi, self._sends)
         self._abandoned = _ABANDONED
         self._status = mpi.Status()
         self._closed = False
@@ -191,7 +208,7 @@ class MpiWorld:
         """Forget the sends that completed."""
         if self._sends:
             test = self.mpi.Request.Testall
-            self._sends = [s for s in self._sends if not test(s[0])]
+            self._sends[:] = [s for s in self._sends if not test(s[0])]
 
     # -- reductions ----------------------------------------------------------------------
 
@@ -263,7 +280,7 @@ class MpiWorld:
             if self._sends and self.broken is None:
                 log.warning("closing with %d send(s) no rank received", len(self._sends))
             self._abandoned.extend(self._sends)
-            self._sends = []
+            self._sends.clear()
         self._closed = True
         if self.broken is None:
             for mop in self._ops.values():
@@ -279,4 +296,4 @@ def _free(mpi: Any, comm: Any) -> None:
         log.debug("MPI_Comm_free failed: %s", exc)
 
 
-__all__ = ["MpiWorld", "import_mpi", "mpi_launched"]
+__all__ = ["MpiWorld", "import_mpi", "keep_pending", "mpi_launched"]
