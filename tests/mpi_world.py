@@ -352,3 +352,25 @@ async def test_mpi_closing_the_world_fails_calls_in_flight_and_tells_the_others(
         (msg, dt), = got[r]
         assert msg.startswith("CollectiveError") and "closed" in msg, f"rank {r}: {msg}"
         assert dt < 3.0, f"rank {r} waited {dt:.1f} s: its timeout, not the abort message"
+
+
+async def test_mpi_timeout_counts_from_the_last_progress_as_on_tcp() -> None:
+    """The last rank calls six all_reduces 0.3 s apart; the others call all six at once. With
+    timeout=1.0 the last one completes 1.8 s after it was called, but the world never went
+    more than 0.3 s without progress: as on memory and tcp, no CollectiveTimeout. The mpi
+    backend used to count each call's timeout from its call (CollectiveTimeout at 1.0 s)."""
+    async def fn(comm: Communicator) -> tuple[list[float], float]:
+        t0 = time.monotonic()
+        if comm.rank == W - 1:
+            out = []
+            for k in range(6):
+                await asyncio.sleep(0.3)
+                out.append(await comm.all_reduce(np.full(4, k, np.float64)))
+        else:
+            out = await asyncio.gather(*(comm.all_reduce(np.full(4, k, np.float64))
+                                         for k in range(6)))
+        return [float(a[0]) for a in out], time.monotonic() - t0
+
+    for r, (sums, took) in enumerate(await run_world(fn, W, "mpi", timeout=1.0)):
+        assert sums == [W * k for k in range(6)], f"rank {r}: {sums}"
+        assert took > 1.5, f"rank {r}: took {took:.2f} s: the calls were not held up"

@@ -20,8 +20,8 @@ communicator), so ``asyncio.gather(comm.all_reduce(a), comm.all_reduce(b))`` iss
 sequence on every rank, and several collectives are in flight at once.
 
 Requests are polled from the event loop (``poll``), so a wait never
-blocks other coroutines, and every wait is bounded by the communicator's ``timeout``
-(``CollectiveTimeout``).
+blocks other coroutines, and a wait raises ``CollectiveTimeout`` once no wait of the world
+completed for the communicator's ``timeout`` (``_poll``).
 
 Guarantees (see ``docs/backends/mpi.md``)
 -----------------------------------------
@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from .._progress import Turns, poll
+from .._progress import SPIN_SECONDS, Turns, poll
 from ..collectives import (
     Communicator,
     _check_array,
@@ -120,6 +120,35 @@ _DIFFERENT_MEMBERS = object()
 _DESCRIBE_BYTES = 240
 
 
+class _Expired(Exception):
+    """A wait's deadline passed (it may have moved on since: see ``_later``)."""
+
+
+def _later(world: MpiWorld, timeout: float, error: Callable[[], CollectiveError]) -> float:
+    """The deadline of a wait whose deadline passed: ``timeout`` after the world's last
+    progress, as the other backends count a timeout (no progress for ``timeout``: a call
+    queued behind others that keep completing waits as long as they do). Raises ``error()``
+    if that moment passed too."""
+    deadline = world.progressed + timeout
+    if asyncio.get_running_loop().time() >= deadline:
+        raise error()
+    return deadline
+
+
+async def _poll(done: Callable[[], bool], deadline: float, world: MpiWorld, timeout: float,
+                error: Callable[[], CollectiveError], spin: float) -> float:
+    """``poll`` until ``done()``, with the deadline moving on as the world progresses; notes
+    the progress; returns the deadline."""
+    while True:
+        try:
+            await poll(done, deadline=deadline, check=world.check, on_timeout=_Expired, spin=spin)
+        except _Expired:
+            deadline = _later(world, timeout, error)
+            continue
+        world.progressed = asyncio.get_running_loop().time()
+        return deadline
+
+
 class _Op:
     """One collective in progress: its ticket, deadline and the MPI requests it issued."""
 
@@ -137,12 +166,12 @@ class _Op:
     async def stage(self, s: int) -> Any:
         """Wait for the turn to issue on stage communicator ``s``; returns that communicator."""
         comm = self.comm
-        if not comm._turns[s].ready(self.ticket):
+        while not comm._turns[s].ready(self.ticket):
             try:
                 async with asyncio.timeout_at(self.deadline):
                     await comm._turns[s].wait(self.ticket)
             except TimeoutError:
-                raise self.timeout_error() from None
+                self.deadline = _later(comm._world, comm.timeout, self.timeout_error)
         comm._world.check()
         return comm._stage_comms[s]
 
@@ -167,8 +196,8 @@ class _Op:
             except mpi.Exception as exc:
                 raise failed_in("MPI", self.sig, comm._rank, exc) from exc
 
-        await poll(done, deadline=self.deadline, check=comm._world.check,
-                   on_timeout=self.timeout_error, spin=WAIT_SPIN_SECONDS)
+        self.deadline = await _poll(done, self.deadline, comm._world, comm.timeout,
+                                    self.timeout_error, WAIT_SPIN_SECONDS)
 
     def timeout_error(self) -> CollectiveTimeout:
         return no_progress(self.sig, self.comm._rank, self.comm.timeout)
@@ -698,11 +727,12 @@ class MpiCommunicator(Communicator):
                                      f"within {self.timeout:g} s")
 
         try:
-            await poll(arrived, deadline=deadline, check=self._world.check, on_timeout=timed_out)
+            deadline = await _poll(arrived, deadline, self._world, self.timeout, timed_out,
+                                   SPIN_SECONDS)
             item = fut.result()
             arr, req = item
-            await poll(lambda: bool(req.Test()), deadline=deadline, check=self._world.check,
-                       on_timeout=timed_out, spin=WAIT_SPIN_SECONDS)
+            await _poll(lambda: bool(req.Test()), deadline, self._world, self.timeout,
+                        timed_out, WAIT_SPIN_SECONDS)
             return arr
         except asyncio.CancelledError:
             self._recv_failed(fut, item, CollectiveError(f"recv on group rank {self._rank} was "

@@ -146,6 +146,8 @@ class MpiWorld:
         self._closed = False
         #: collectives and receives in progress on the world and its subgroups
         self.calls = 0
+        #: loop time at which a wait of the world last completed (timeouts count from it)
+        self.progressed = 0.0
         #: the world communicator was closed (``close`` started): every call fails
         self.closing = False
 
