@@ -690,3 +690,38 @@ async def test_compression_residuals_restart_at_zero_on_load(compression: str,
 
     for reused, fresh in await run_world(rank, 2, "memory"):
         np.testing.assert_array_equal(reused, fresh)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_full_state_of_another_dtype_loads_under_every_strategy(strategy: str) -> None:
+    """load_full_state converts parameters and optimizer buffers of another dtype (a float64
+    state into a float32 model) to the model's under every strategy, and the run continues
+    exactly as from the same state in the model's dtype. ZeRO-3 used to keep its shard in
+    the given dtype (its next step failed in an all_gather: 'out must have dtype float64'),
+    and every strategy kept the optimizer buffers so (its next step: "this optimizer's state
+    is for ... of float64"); a length that does not fit is refused, nothing loaded."""
+    data = batches(4)
+
+    async def rank(comm: Communicator) -> list[np.ndarray]:
+        mine = [split_batch(b, comm.rank, comm.world_size) for b in data]
+        dists = [as_distributed(MLP(SIZES, seed=3, dtype=np.float32), comm, Adam(lr=0.01),
+                                strategy=strategy) for _ in range(2)]
+        await dists[0].step(mine[0])
+        params, buffers, step = await dists[0].full_state()
+        assert params.dtype == np.float32 and buffers
+        with pytest.raises(ValueError, match="expected"):
+            dists[1].load_full_state(params[:-1], buffers, step)
+        dists[1].load_full_state(params.astype(np.float64),
+                                 {k: v.astype(np.float64) for k, v in buffers.items()}, step)
+        dists[0].load_full_state(params, buffers, step)
+        out = []
+        for dist in dists:
+            for batch in mine[1:]:
+                await dist.step(batch)
+            full, _, _ = await dist.full_state()
+            out.append(full)
+        return out
+
+    for same, converted in await run_world(rank, 2, "memory"):
+        assert converted.dtype == np.float32
+        np.testing.assert_array_equal(converted, same)

@@ -629,10 +629,15 @@ class DistributedModel:
                         step: int, hyper: dict[str, Any] | None = None) -> None:
         """Take whole flat parameters and optimizer buffers (every rank the same) and keep
         this rank's part: what loading a checkpoint saved with any number of ranks does.
-        Gradient compression's error-feedback residuals restart at zero."""
+        Gradient compression's error-feedback residuals restart at zero. Arrays of another
+        dtype are converted to the model's (whatever the strategy); ``ValueError`` for a
+        length that does not fit (nothing is loaded then)."""
         lay, r = self.layout, self.rank
-        if params.shape != (lay.size,):
-            raise ValueError(f"expected {lay.size} parameters, got {params.shape}")
+        params = np.asarray(params, dtype=lay.dtype)
+        buffers = {k: np.asarray(v, dtype=lay.dtype) for k, v in buffers.items()}
+        for what, a in (("parameters", params), *buffers.items()):
+            if a.shape != (lay.size,):
+                raise ValueError(f"expected {lay.size} {what}, got shape {a.shape}")
         self._started = True            # the loaded state is the same on every rank
         self._initial = None
         # residuals of gradient compression are not part of the state: they restart at zero
