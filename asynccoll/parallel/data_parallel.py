@@ -635,9 +635,9 @@ class DistributedModel:
         lay, r = self.layout, self.rank
         params = np.asarray(params, dtype=lay.dtype)
         buffers = {k: np.asarray(v, dtype=lay.dtype) for k, v in buffers.items()}
-        for what, a in (("parameters", params), *buffers.items()):
-            if a.shape != (lay.size,):
-                raise ValueError(f"expected {lay.size} {what}, got shape {a.shape}")
+        for what, given in (("parameters", params), *buffers.items()):
+            if given.shape != (lay.size,):
+                raise ValueError(f"expected {lay.size} {what}, got shape {given.shape}")
         self._started = True            # the loaded state is the same on every rank
         self._initial = None
         # residuals of gradient compression are not part of the state: they restart at zero
