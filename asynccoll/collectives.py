@@ -43,7 +43,7 @@ from .algorithms import (
 )
 from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError, PeerLostError
 from .ops import ReduceOp, check_op, finish
-from .transport.base import Transport, describe_sig
+from .transport.base import Transport, describe_sig, payload_too_large
 from .tuning import Tuning
 from .wire import FrameKind, array_view, dtype_code, encode_data_head
 
@@ -716,10 +716,12 @@ class Communicator:
         tag = self._check_tag(tag)
         if dst == self._rank:
             raise ValueError("send to self is not supported")
+        t = self._transport
+        if a.nbytes > t.max_payload:  # (before the message takes its number)
+            raise ValueError(payload_too_large(a.nbytes, t.max_payload))
         self._check_open()
         n = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = n + 1
-        t = self._transport
         head = encode_data_head(FrameKind.P2P, self._group, n, 0, 0, t.rank,
                                 dtype_code(a.dtype), a.shape, (tag,), a.nbytes)
         await self._watched_p2p(t.send(self._ranks[dst], head, bytes_view(a)), dst, "send",

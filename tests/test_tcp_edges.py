@@ -257,3 +257,49 @@ async def test_cancelling_the_later_of_two_collectives_then_closing(n: int,
         for c in comms:
             await c.close()
     assert all(seconds < 5 for _, seconds in outcomes), outcomes
+
+
+async def test_an_array_larger_than_one_frame_fails_on_the_sender_too() -> None:
+    """An array that a call would send whole in one frame larger than ``max_payload`` (4 GiB
+    by default; 1 MiB here) is refused where it is sent: ``send`` raises ValueError before
+    anything is sent and the communicator stays usable; a collective raises ValueError on the
+    sending rank and CollectiveError on the others. The frame used to go out: the receiver
+    dropped the connection as a protocol violation (PeerLostError, 'sent an invalid frame')
+    while the root of a broadcast or scatter returned as if it had succeeded."""
+    big = np.ones((3 << 20) // 8)  # 3 MiB
+    small = np.ones(4)
+    calls = {
+        "broadcast": lambda c, a: c.broadcast(a if c.rank == 0 else np.zeros_like(a)),
+        "scatter": lambda c, a: c.scatter([a, a] if c.rank == 0 else None),
+        "gather": lambda c, a: c.gather(a),
+        "all_gather": lambda c, a: c.all_gather(a),
+        "all_to_all": lambda c, a: c.all_to_all([a, a]),
+    }
+
+    async def p2p(comm: Communicator) -> None:
+        if comm.rank == 0:
+            sent = comm.transport.bytes_sent
+            with pytest.raises(ValueError, match="max_payload"):
+                await comm.send(big, 1)
+            assert comm.transport.bytes_sent == sent
+            await comm.send(small, 1)
+        else:
+            np.testing.assert_array_equal(await comm.recv(0), small)
+        # segmented collectives carry arrays of any size
+        np.testing.assert_array_equal(await comm.all_reduce(big.copy()), big * 2)
+
+    await asynccoll.run_local(p2p, 2, "tcp", timeout=10, max_payload=1 << 20)
+    for name, call in calls.items():
+        async def fn(comm: Communicator, call: Any = call) -> str:
+            try:
+                await call(comm, big)
+            except ValueError as exc:
+                assert "max_payload" in str(exc)
+                return "ValueError"
+            except CollectiveError as exc:
+                assert "max_payload" in str(exc), exc
+                return "CollectiveError"
+            return "returned"
+
+        got = await asynccoll.run_local(fn, 2, "tcp", timeout=10, max_payload=1 << 20)
+        assert "ValueError" in got and "returned" not in got, (name, got)

@@ -88,6 +88,12 @@ class _Posted:
     reduce: ReduceOnRead | None = None
 
 
+def payload_too_large(nbytes: int, limit: int) -> str:
+    """The error message for a payload of ``nbytes`` that one frame cannot carry."""
+    return (f"an array of {nbytes} bytes is larger than one frame may carry (max_payload: "
+            f"{limit} bytes): split it, or raise max_payload on every rank")
+
+
 def describe_sig(sig: tuple[Any, ...] | None) -> str:
     """Human-readable form of a collective signature, for error messages."""
     if not sig:
@@ -501,6 +507,9 @@ class Transport(abc.ABC):
         #: combined into that array as it is read, a piece at a time, instead of landing in
         #: its buffer (transports that read sockets themselves: tcp)
         self.reduces_on_read = False
+        #: the most payload bytes one frame may carry (tcp: what its peers accept, see
+        #: ``max_payload``); ``post`` raises ValueError for a larger payload
+        self.max_payload = 1 << 62
         #: what losing a peer does: ``"abort"`` breaks the world, ``"isolate"`` fails only
         #: what involves that peer (transports that support it: tcp)
         self.peer_loss = "abort"
@@ -524,6 +533,7 @@ class Transport(abc.ABC):
         posted to one ``dst`` arrive in the order they were posted.
 
         Raises:
+            ValueError: ``payload`` is larger than ``max_payload`` (nothing was sent).
             PeerLostError: ``dst`` is gone.
             CollectiveError: the world is broken.
         """

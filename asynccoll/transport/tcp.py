@@ -76,7 +76,7 @@ from ..wire import (
     ReduceOnRead,
     encode_frame_bytes,
 )
-from .base import Key, Transport, checked_payload, frame_key
+from .base import Key, Transport, checked_payload, frame_key, payload_too_large
 
 log = logging.getLogger("asynccoll.transport.tcp")
 
@@ -767,6 +767,8 @@ class TcpTransport(Transport):
              ) -> asyncio.Future[None] | None:
         self.check_sendable()
         nbytes = payload.nbytes if payload is not None else 0
+        if nbytes > self.max_payload:
+            raise ValueError(payload_too_large(nbytes, self.max_payload))
         self.bytes_sent += nbytes
         conn = self._pair.get(dst) if nbytes <= PAIR_FRAME_BYTES else None
         if conn is None:
