@@ -354,7 +354,8 @@ def test_host_staging_on_the_memory_backend(fake: Any) -> None:
 
 def test_nccl_init_without_cupy_says_what_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(ImportError, match=r"CuPy with a CUDA GPU is required.*asynccoll\[gpu\]"):
+    with pytest.raises(ImportError,
+                       match=r"needs CuPy built with NCCL and a CUDA GPU.*asynccoll\[gpu\]"):
         asyncio.run(asynccoll.init(backend="nccl", rank=0, world_size=1))
 
 
