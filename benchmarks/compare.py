@@ -40,6 +40,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = str(HERE / "workers.py")
 DEFAULT_OPS = "all_reduce,barrier,all_gather,broadcast"
+#: every op each framework's worker runs (benchmarks/workers.py)
+ALL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier")
 DEFAULT_SIZES = "8,64K,1M,16M,64M"
 
 
@@ -151,13 +153,13 @@ def table(rows: list[dict[str, Any]], peers: list[str]) -> str:
     by = {(r["framework"], r["op"], r["ranks"], r["size"]): r for r in rows}
     keys = sorted({(r["op"], r["ranks"], r["size"]) for r in rows if r["framework"] == "asynccoll"},
                   key=lambda k: (k[1], k[0], k[2]))
-    head = f"{'op':<11} {'ranks':>5} {'size':>6} {'asynccoll us':>13} {'busbw':>7}"
+    head = f"{'op':<14} {'ranks':>5} {'size':>6} {'asynccoll us':>13} {'busbw':>7}"
     for p in peers:
         head += f" | {p + ' us':>10} {'busbw':>7} {'time x':>7} {'busbw x':>7}"
     lines = [head, "-" * len(head)]
     for op, n, size in keys:
         a = by[("asynccoll", op, n, size)]
-        line = f"{op:<11} {n:>5} {fmt_size(size):>6} {a['time_us']:>13.1f} {a['busbw']:>7.3f}"
+        line = f"{op:<14} {n:>5} {fmt_size(size):>6} {a['time_us']:>13.1f} {a['busbw']:>7.3f}"
         for p in peers:
             r = by.get((p, op, n, size))
             if r is None:
@@ -304,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         saved: list[dict[str, Any]] = json.loads(Path(a.load).read_text())
         report(saved, sorted({r["framework"] for r in saved} - {"asynccoll"}), a)
         return 0
+    unknown = [op for op in a.ops.split(",") if op not in ALL_OPS]
+    if unknown:
+        p.error(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(ALL_OPS)}")
     sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
     why = available()
     peers = []

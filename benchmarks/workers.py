@@ -4,7 +4,9 @@ Started by ``benchmarks/compare.py``; every framework is timed the same way so t
 something: per size, untimed warm-up calls (``warmup_for``), then each of ``iters`` calls timed
 on its own;
 a rank's figure is the median call, and the reported time is the slowest rank's (max over
-ranks). Sizes follow nccl-tests: all_gather's size is the gathered output.
+ranks). Ops: all_reduce, all_gather, reduce_scatter, broadcast (from rank 0), all_to_all,
+barrier. Sizes follow nccl-tests: all_gather's size is the gathered output, reduce_scatter's
+and all_to_all's the input (whole blocks of float32 per rank).
 
 Each rank 0 prints one ``RESULT {json}`` line per (op, size). Beside the time, a row carries
 ``probe_us``: how long a fixed piece of work (``CoreProbe``) took on the slowest rank's core
@@ -40,12 +42,20 @@ def warmup_for(nbytes: int, least: int) -> int:
     return max(least, min(1000, iters_for(nbytes)))
 
 
+#: the ops whose result is a separate output buffer
+OUT_OPS = ("all_gather", "reduce_scatter", "all_to_all")
+
+
 def shapes(op: str, nbytes: int, n: int) -> tuple[int, int]:
     """(elements of the input, elements of the output) of float32 buffers."""
     count = max(1, nbytes // 4)
+    per = max(1, count // n)  # a block of every rank's
     if op == "all_gather":
-        per = max(1, count // n)
         return per, per * n
+    if op == "reduce_scatter":
+        return per * n, per
+    if op == "all_to_all":
+        return per * n, per * n
     return count, count
 
 
@@ -54,7 +64,7 @@ def report(framework: str, op: str, nbytes: int, n: int, seconds: float,
     # nccl-tests: the larger of the buffers as moved (all_gather: the gathered output)
     size = 0 if op == "barrier" else 4 * max(shapes(op, nbytes, n))
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-              "reduce_scatter": (n - 1) / n}.get(op, 1.0)
+              "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n}.get(op, 1.0)
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
     row = {"framework": framework, "op": op, "ranks": n, "size": size,
            "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * factor,
@@ -94,11 +104,12 @@ class CoreProbe:
 
 def verify(framework: str, op: str, n: int, got: Any) -> None:
     """Check one call's result, every rank's input filled with its rank + 1: all_reduce and
-    reduce_scatter give n(n+1)/2, broadcast from rank 0 gives 1, all_gather rank r's block r + 1."""
+    reduce_scatter give n(n+1)/2, broadcast from rank 0 gives 1, all_gather and all_to_all rank
+    r's block r + 1."""
     if op == "barrier":
         return
     got = np.asarray(got)
-    if op == "all_gather":
+    if op in ("all_gather", "all_to_all"):
         want = np.repeat(np.arange(1, n + 1, dtype=np.float32), got.size // n)
     else:
         want = np.full(got.size, 1.0 if op == "broadcast" else n * (n + 1) / 2, np.float32)
@@ -144,9 +155,11 @@ def run_gloo(args: argparse.Namespace) -> None:
                 return {
                     "all_reduce": lambda: dist.all_reduce(a),
                     "all_gather": lambda: dist.all_gather_into_tensor(out, a),
+                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, a),
+                    "all_to_all": lambda: dist.all_to_all_single(out, a),
                     "broadcast": lambda: dist.broadcast(a, 0),
                     "barrier": lambda: dist.barrier(),
-                }[op], out if op == "all_gather" else a
+                }[op], out if op in OUT_OPS else a
 
             check, got = gloo_op(rank + 1)
             check()
@@ -183,9 +196,11 @@ def run_mpi(args: argparse.Namespace) -> None:
                 return {
                     "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, a),
                     "all_gather": lambda: comm.Allgather(a, out),
+                    "reduce_scatter": lambda: comm.Reduce_scatter_block(a, out),
+                    "all_to_all": lambda: comm.Alltoall(a, out),
                     "broadcast": lambda: comm.Bcast(a, 0),
                     "barrier": lambda: comm.Barrier(),
-                }[op], out if op == "all_gather" else a
+                }[op], out if op in OUT_OPS else a
 
             check, got = mpi_op(rank + 1)
             check()
@@ -222,7 +237,7 @@ def tuning_fields(items: list[str]) -> dict[str, Any]:
 def asynccoll_op(comm: Any, op: str, nbytes: int, fill: float = 0.0
                  ) -> Callable[[], Awaitable[Any]]:
     """One call of ``op`` (all_reduce, reduce_scatter, all_gather, broadcast from rank 0,
-    barrier) on ``comm`` over float32 buffers of ``nbytes`` (reduce_scatter: the input;
+    all_to_all, barrier) on ``comm`` over float32 buffers of ``nbytes`` (reduce_scatter: the input;
     all_gather: the gathered output, written into a preallocated buffer as the peers' are),
     the buffers allocated once, here, the input filled with ``fill``."""
     cin, cout = shapes(op, nbytes, comm.world_size)
@@ -238,6 +253,9 @@ def asynccoll_op(comm: Any, op: str, nbytes: int, fill: float = 0.0
         return lambda: comm.all_gather(a, out=out)
     if op == "broadcast":
         return lambda: comm.broadcast(a, 0)
+    if op == "all_to_all":
+        blocks = np.split(a, comm.world_size)  # (the results are new arrays: no out=)
+        return lambda: comm.all_to_all(blocks)
     return lambda: comm.barrier()
 
 
