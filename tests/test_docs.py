@@ -86,6 +86,25 @@ def test_api_reference_renders_the_docstrings(site: Path) -> None:
     assert 'id="asynccoll.elastic.ElasticGroup"' in page(site, "reference/elastic")
 
 
+@pytest.mark.timeout(300)
+def test_reference_lists_the_names_the_guides_use(site: Path) -> None:
+    """The guides' names for gradient clipping, buffers and checkpoints are in the API
+    reference and importable from ``asynccoll.parallel``: training.md said ``read_buffers(path)``
+    returns a checkpoint's buffers, but ``asynccoll.parallel`` had no such name, and
+    ``last_grad_norm`` (an attribute documented by a comment) was not on the page."""
+    import asynccoll.parallel
+
+    html = page(site, "reference/parallel")
+    for name in ("read_buffers", "BufferSpec", "ModelParallelGroup",
+                 "Model.buffer_specs", "Model.model_parallel_groups",
+                 "DistributedModel.clip_grad_norm", "DistributedModel.last_grad_norm",
+                 "DistributedModel.sync_buffers", "DistributedModel.full_buffers",
+                 "PipelineParallel.last_grad_norm"):
+        assert f'id="asynccoll.parallel.{name}"' in html, name
+        assert hasattr(asynccoll.parallel, name.split(".")[0]), name
+    assert "read_buffers" in asynccoll.parallel.__all__
+
+
 def test_getting_started_shows_the_readme_quickstart() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     block = re.search(r"## Quickstart\s+```bash\n(.*?)```", readme, flags=re.DOTALL)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import load_checkpoint, load_parameters, save_checkpoint
+from .checkpoint import load_checkpoint, load_parameters, read_buffers, save_checkpoint
 from .compression import Compression, make_compression
 from .data_parallel import STRATEGIES, DistributedModel, MemoryReport, agree_to_stop
 from .distributed import (
@@ -118,6 +118,7 @@ __all__ = [
     "make_compression",
     "megatron_layers",
     "mlp_partition",
+    "read_buffers",
     "run_elastic",
     "save_checkpoint",
     "split_batch",

@@ -161,8 +161,10 @@ class DistributedModel:
         self.prefetch = prefetch
         self.broadcast_buffers = bool(broadcast_buffers)
         self.max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
-        #: the global gradient norm the last clipping found (before clipping), or None
         self.last_grad_norm: float | None = None
+        """The global gradient norm the last clipping found (``max_grad_norm`` in
+        ``optimizer_step``, or ``clip_grad_norm``), before clipping and the same on every
+        rank; None before any."""
         self._clipped = False           # clip_grad_norm ran since the last pass or step
         self._norm_groups: list[ModelParallelGroup] | None = None
         self.rank, self.world_size = comm.rank, comm.world_size

@@ -699,8 +699,9 @@ class PipelineParallel(Model):
         #: sets it to ``data * n / N`` for a replica's share of ``n`` of ``N`` samples, so
         #: that the plain mean of the replicas' gradients is that of the whole batch
         self._loss_scale = 1.0
-        #: the global gradient norm ``step(..., max_grad_norm=)`` found last, or None
         self.last_grad_norm: float | None = None
+        """The global gradient norm (before clipping, the same on every stage) that the last
+        ``step(..., max_grad_norm=)`` found, or None before any."""
 
     def __repr__(self) -> str:
         return (f"<PipelineParallel stage {self.stage_index}/{self.num_stages} {self.schedule} "
