@@ -287,9 +287,9 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:  # the kernel would take it modulo 65536
         sys.stderr.write(f"asynccoll rendezvous: --port must be 0-65535, got {args.port}\n")
         return 2
+    # without a token, the server warns once it listens beyond loopback, naming the port it
+    # got (warning here, before binding, named --port 0 and a port it never got)
     token = args.token or os.environ.get("ASYNCCOLL_TOKEN")
-    if token is None:
-        log.warning("no token: any process that can reach %s:%d can join", args.host, args.port)
     try:
         with contextlib.suppress(KeyboardInterrupt):
             _run_loop(_serve_announced(args.host, args.port, token))

@@ -488,6 +488,34 @@ def test_standalone_rendezvous_port_in_use() -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in res.stderr and "in use" in res.stderr
 
 
+def test_standalone_rendezvous_without_token_warns_once_naming_its_port(
+        reaper: Callable[..., Proc]) -> None:
+    """Without a token, `asynccoll rendezvous` warned before binding, naming --port as given:
+    'can reach 127.0.0.2:0' beside the server's own warning with the real port, and a
+    warning about a server that never listened when the port was taken. Now the server's
+    warning alone, naming where it listens."""
+    rdv = reaper([sys.executable, "-m", "asynccoll", "rendezvous", "--host", "127.0.0.2",
+                  "--port", "0"], clean_env())
+    assert rdv.wait_for(lambda lines: any(LISTENING.search(x) for x in lines), 30), rdv.output
+    match = LISTENING.search(rdv.output)
+    assert match is not None
+    port = int(match.group(1))
+    rdv.popen.send_signal(signal.SIGINT)
+    assert rdv.finish(10) == 0, rdv.output
+    warnings = [line for line in rdv.lines if "token" in line]
+    assert len(warnings) == 1 and f"127.0.0.2:{port} " in warnings[0], rdv.output
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        res = subprocess.run([sys.executable, "-m", "asynccoll", "rendezvous", "--port",
+                              str(taken.getsockname()[1])], cwd=REPO, env=clean_env(),
+                             capture_output=True, text=True, timeout=30, check=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "cannot listen on 127.0.0.1" in res.stderr
+
+
 def test_hangup_stops_everything(reaper: Callable[..., Proc]) -> None:
     """SIGHUP (the terminal or the ssh session of the launcher went away) stops the ranks
     too: they run in sessions of their own, so nothing else would tell them."""
