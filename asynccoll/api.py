@@ -67,7 +67,7 @@ async def local_world(world_size: int, backend: str = "memory", *, timeout: floa
         return _staged(await _memory_world(world_size, timeout=timeout, tuning=tuning),
                        gpu_staging)
     if backend == "tcp":
-        from .transport.tcp import tcp_local_world
+        from .transport.tcp_world import tcp_local_world
 
         _check_options(f"backend {backend!r}", options, tcp_local_world)
         return _staged(await tcp_local_world(world_size, timeout=timeout, tuning=tuning,
@@ -159,7 +159,7 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
         rank), ``check_signatures`` (default ``True``), and the TCP options.
     """
     if backend == "tcp":
-        from .transport.tcp import tcp_init
+        from .transport.tcp_world import tcp_init
 
         gpu_staging = bool(options.pop("gpu_staging", False))
         _check_options("init(backend='tcp')", options, tcp_init)
@@ -182,7 +182,7 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
                               **options)
     if backend == "nccl":
         from .transport.nccl import nccl_init
-        from .transport.tcp import tcp_init
+        from .transport.tcp_world import tcp_init
 
         _check_options("init(backend='nccl')", options, nccl_init, tcp_init)
         return await nccl_init(rank=rank, world_size=world_size, addr=addr, port=port,

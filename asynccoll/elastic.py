@@ -263,7 +263,7 @@ class ElasticGroup:
         Raises ``RendezvousError`` if no generation with ``min_nodes``
         members forms within ``timeout``.
         """
-        from .transport.tcp import tcp_store_world
+        from .transport.tcp_world import tcp_store_world
 
         if self.comm is not None:
             old, self.comm = self.comm, None

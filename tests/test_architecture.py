@@ -2,7 +2,10 @@
 
 * ``asynccoll/wire.py`` (sans-IO) imports nothing of asynccoll except ``errors``, and no I/O.
 * ``asynccoll/collectives.py`` and ``algorithms.py`` never import a concrete transport (memory,
-  tcp, nccl, mpi).
+  tcp, nccl, mpi, and the modules split off them: tcp_world, mpi_world).
+* ``transport/tcp_world.py`` (forming worlds) builds on ``transport/tcp.py`` (the data path);
+  ``tcp.py`` imports it only lazily, for the names it still re-exports, so either imports
+  first.
 * nothing under ``asynccoll/parallel/`` imports ``asynccoll.transport`` or ``asynccoll.wire``.
 * ``import asynccoll`` imports no optional dependency (torch, cupy, mpi4py).
 * no module keeps obvious module-level mutable state (a dict/list/set bound to a name that is
@@ -28,7 +31,8 @@ PACKAGE = ROOT / "asynccoll"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 CONCRETE_TRANSPORTS = ("asynccoll.transport.memory", "asynccoll.transport.tcp",
-                       "asynccoll.transport.nccl", "asynccoll.transport.mpi")
+                       "asynccoll.transport.tcp_world", "asynccoll.transport.nccl",
+                       "asynccoll.transport.mpi", "asynccoll.transport.mpi_world")
 OPTIONAL_DEPENDENCIES = ("torch", "cupy", "mpi4py")
 MUTABLE_CALLS = frozenset({"dict", "list", "set", "defaultdict", "OrderedDict", "Counter",
                            "deque", "bytearray", "WeakValueDictionary", "WeakKeyDictionary",
@@ -106,6 +110,29 @@ def test_collectives_never_import_a_concrete_transport(module: str) -> None:
     found = imports(PACKAGE / module)
     bad = {n for n in found for t in CONCRETE_TRANSPORTS if within(n, t)}
     assert not bad, f"{module} imports concrete transports: {sorted(bad)}"
+
+
+def test_tcp_world_sits_above_the_tcp_data_path():
+    """``tcp_world`` imports ``tcp``; ``tcp`` reaches ``tcp_world`` only from its module
+    ``__getattr__`` (the names that moved keep importing from ``tcp``)."""
+    tree = ast.parse((PACKAGE / "transport" / "tcp.py").read_text())
+    top = {n for node in tree.body for n in imports_of(ast.unparse(node), "asynccoll.transport.tcp")
+           if isinstance(node, ast.Import | ast.ImportFrom)}
+    assert not {n for n in top if within(n, "asynccoll.transport.tcp_world")}
+    assert "asynccoll.transport.tcp.TcpTransport" in imports(PACKAGE / "transport" / "tcp_world.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for first in ("asynccoll.transport.tcp_world", "asynccoll.transport.tcp"):
+        code = (f"import {first}\n"
+                "from asynccoll.transport import tcp, tcp_world\n"
+                "from asynccoll.transport.tcp import MESH_RANKS, startup_peers, tcp_init, "
+                "tcp_local_world, tcp_store_world, world_crowded\n"
+                "assert tcp_init is tcp_world.tcp_init\n"
+                "assert startup_peers is tcp_world.startup_peers\n"
+                "assert {'tcp_init', 'tcp_local_world', 'tcp_store_world'} <= set(tcp.__all__)\n")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 0, f"importing {first} first: {proc.stderr}"
 
 
 def test_parallel_uses_the_communicator_only():

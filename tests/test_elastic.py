@@ -171,12 +171,12 @@ async def test_joining_again_after_a_timeout_counts_once() -> None:
 async def test_form_gives_up_when_worlds_keep_failing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A world that fails to form every time (here: the address cannot be bound) ends in
     RendezvousError within about ``timeout``, instead of opening generations forever."""
-    import asynccoll.transport.tcp as tcp
+    import asynccoll.transport.tcp_world as tcp_world
 
     async def unbindable(*args: Any, **kw: Any) -> Communicator:
         raise OSError(99, "Cannot assign requested address")
 
-    monkeypatch.setattr(tcp, "tcp_store_world", unbindable)
+    monkeypatch.setattr(tcp_world, "tcp_store_world", unbindable)
     server = RendezvousServer("127.0.0.1", 0)
     await server.start()
     try:

@@ -785,7 +785,7 @@ async def nccl_init(*, rank: int | None = None, world_size: int | None = None,
         The other arguments are ``asynccoll.init``'s for ``backend="tcp"``.
     """
     import_nccl()  # fail before touching the network when CuPy/NCCL is missing
-    from .tcp import tcp_init
+    from .tcp_world import tcp_init
 
     inner = await tcp_init(rank=rank, world_size=world_size, addr=addr, port=port,
                            timeout=timeout, token=token, tuning=tuning, **tcp_options)

@@ -38,6 +38,9 @@ Failures: a connection of an authenticated peer that ends without a BYE frame me
 died; the world is aborted with ``PeerLostError`` naming it and every
 rank is told (ABORT frames), so nobody waits for a timeout. A connection that fails the
 handshake or breaks the protocol before authenticating is closed and logged; the world goes on.
+
+Forming a world (the rendezvous, the environment, which pairs connect first) is in
+``asynccoll.transport.tcp_world``.
 """
 
 from __future__ import annotations
@@ -55,9 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from .._aio import close_server, uncancelled, wait_server_closed
-from ..algorithms import POLL_READS, power_of_two_fold
-from ..collectives import Communicator, check_timeout
+from .._aio import close_server, wait_server_closed
+from ..algorithms import POLL_READS
 from ..errors import (
     AuthenticationError,
     CollectiveError,
@@ -66,7 +68,6 @@ from ..errors import (
     ProtocolError,
 )
 from ..handshake import REASON_PROTOCOL, ClientHandshake, ServerHandshake
-from ..tuning import Tuning
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     BufferedFrameReader,
@@ -1092,35 +1093,7 @@ class TcpTransport(Transport):
                 await callback()
 
 
-# -------------------------------------------------------------------------------- bootstrap
-
-#: Worlds up to this many ranks connect every pair at start-up (as Gloo does); larger ones
-#: only the pairs their ring, recursive doubling and barrier use.
-MESH_RANKS = 16
-
-
-def startup_peers(rank: int, world_size: int) -> list[int]:
-    """The peers ``rank`` connects with when the world forms (``connect_peers``): all of
-    them up to ``MESH_RANKS`` ranks; beyond, its ring neighbours, its partners in recursive
-    doubling (``algorithms.recursive_doubling``) and in the dissemination barrier."""
-    w, r = world_size, rank
-    if w <= MESH_RANKS:
-        return [p for p in range(w) if p != r]
-    peers = {(r + 1) % w, (r - 1) % w}
-    p, extra, rounds = power_of_two_fold(w)
-    if r >= p:
-        peers.add(r - p)
-    else:
-        if r < extra:
-            peers.add(r + p)
-        peers.update(r ^ (1 << k) for k in range(rounds))
-    step = 1
-    while step < w:
-        peers.update(((r + step) % w, (r - step) % w))
-        step <<= 1
-    peers.discard(r)
-    return sorted(peers)
-
+# ------------------------------------------------------- environment and addresses
 
 def _env(*names: str) -> str | None:
     for name in names:
@@ -1128,39 +1101,6 @@ def _env(*names: str) -> str | None:
         if value not in (None, ""):
             return value
     return None
-
-
-#: the ports a TCP address can name
-PORTS = range(65536)
-
-
-def _env_int(value: int | None, *names: str, what: str, valid: range | None = None
-             ) -> int | None:
-    """``value``, or else the integer in the first of the variables ``names`` that is set
-    (``None`` if none is). Raises ``ValueError`` naming the variable (or ``what``) when it
-    is not an integer, or not in ``valid``."""
-    if value is not None:
-        if valid is not None and value not in valid:
-            raise ValueError(f"{what} {value} is out of range ({valid.start}-{valid.stop - 1})")
-        return value
-    name = next((n for n in names if os.environ.get(n) not in (None, "")), None)
-    if name is None:
-        return None
-    raw = os.environ[name]
-    try:
-        number = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer ({what})") from None
-    if valid is not None and number not in valid:
-        raise ValueError(f"{name}={number} is out of range ({what}: "
-                         f"{valid.start}-{valid.stop - 1})")
-    return number
-
-
-def _local_ip(client: Any) -> str:
-    """The local IP address of the rendezvous client's connection."""
-    sockname = client.local_address
-    return str(sockname[0])
 
 
 def _ranks_per_core() -> float:
@@ -1175,13 +1115,6 @@ def _ranks_per_core() -> float:
     return max(ranks, 1) / (cores or 1)
 
 
-def world_crowded(members: Any) -> bool:
-    """Whether any rank of a roster (entries ``[host, port, meta]``) said it shares a core
-    (``Transport.crowded``): every rank reads the same roster, so all agree."""
-    return any(len(entry) > 2 and isinstance(entry[2], dict) and entry[2].get("crowded") is True
-               for entry in members)
-
-
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -1189,168 +1122,19 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
-                   addr: str | None = None, port: int | None = None, timeout: float = 60.0,
-                   token: str | bytes | None = None, tuning: Tuning | None = None,
-                   rendezvous: str | None = None, bind: str | None = None,
-                   host_rendezvous: bool | None = None,
-                   max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                   peer_loss: str = "abort") -> Communicator:
-    """Join a TCP world; see ``asynccoll.init``."""
-    from ..rendezvous import RendezvousClient, RendezvousServer
-
-    rank = _env_int(rank, "ASYNCCOLL_RANK", "RANK", what="rank")
-    world_size = _env_int(world_size, "ASYNCCOLL_WORLD_SIZE", "WORLD_SIZE", what="world size")
-    if rank is None or world_size is None:
-        raise ValueError("rank and world_size must be given (arguments, ASYNCCOLL_RANK/RANK and "
-                         "ASYNCCOLL_WORLD_SIZE/WORLD_SIZE); start processes with `asynccoll run`")
-    check_timeout(timeout)  # before anything is opened
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
-    addr = addr or _env("ASYNCCOLL_ADDR", "MASTER_ADDR") or "127.0.0.1"
-    port = _env_int(port, "ASYNCCOLL_PORT", "MASTER_PORT", what="port", valid=PORTS)
-    port = 29500 if port is None else port
-    token = token if token is not None else _env("ASYNCCOLL_TOKEN")
-    rendezvous = rendezvous or _env("ASYNCCOLL_RENDEZVOUS")
-    rdv_host, rdv_port = addr, port
-    if rendezvous:
-        host_part, _, port_part = rendezvous.rpartition(":")
-        if not host_part or not port_part.isdigit() or int(port_part) not in PORTS:
-            raise ValueError(f"ASYNCCOLL_RENDEZVOUS must be host:port (port 0-65535), "
-                             f"got {rendezvous!r}")
-        rdv_host, rdv_port = host_part, int(port_part)
-    if host_rendezvous is None:
-        host_rendezvous = rank == 0 and not rendezvous
-
-    server = None
-    if host_rendezvous:
-        server = RendezvousServer(addr if not _is_loopback(addr) else "127.0.0.1", rdv_port,
-                                  token=token)
-        await server.start()
-        rdv_port = server.port
-    transport: TcpTransport | None = None
-    client = None
-    try:
-        client = await RendezvousClient.connect(rdv_host, rdv_port, token=token, timeout=timeout,
-                                                rank=rank)
-        if bind is None:
-            bind = _env("ASYNCCOLL_BIND")
-        if bind is None:
-            # the address this machine uses to reach the rendezvous is one the others can reach
-            bind = _local_ip(client) if not _is_loopback(rdv_host) else "127.0.0.1"
-        transport = TcpTransport(rank, world_size, token=token, max_payload=max_payload,
-                                 peer_loss=peer_loss)
-        host, lport = await transport.listen(bind, 0)
-        advertised = host if host not in ("0.0.0.0", "::") else _local_ip(client)
-        await client.join(rank, advertised, lport, {"crowded": transport.yields})
-        roster = await client.roster(world_size, timeout)
-        members = roster["members"]
-        for r, entry in members.items():
-            r = int(r)
-            if r >= world_size:
-                raise CollectiveError(f"rank {r} joined but world_size is {world_size}")
-            transport.addresses[r] = (str(entry[0]), int(entry[1]))
-        transport.crowded = world_crowded(members.values())
-        await transport.connect_peers(startup_peers(rank, world_size))
-    except BaseException:
-        async def clean_up() -> None:
-            if transport is not None:
-                await transport.close()
-            if client is not None:
-                await client.close()
-            if server is not None:
-                await server.close()
-
-        # all of it, even if cancelled (again) meanwhile: a close cut short skips the rest
-        await uncancelled(clean_up())
-        raise
-
-    async def close_rendezvous() -> None:
-        await client.close()
-        if server is not None:
-            await server.close()
-
-    transport._on_close.append(close_rendezvous)
-    return Communicator(transport, timeout=timeout, tuning=tuning, backend="tcp")
+#: names that moved to ``tcp_world`` (forming worlds), still importable from here; looked up
+#: there on first use, since ``tcp_world`` imports this module
+_WORLD_NAMES = frozenset({"MESH_RANKS", "startup_peers", "tcp_init", "tcp_local_world",
+                          "tcp_store_world", "world_crowded"})
 
 
-async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, *,
-                          timeout: float = 60.0, token: str | bytes | None = None,
-                          job: str = "", tuning: Tuning | None = None,
-                          bind: str | None = None, peer_loss: str = "abort",
-                          max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Communicator:
-    """Form a TCP world whose ranks publish their addresses as rendezvous keys.
+def __getattr__(name: str) -> Any:
+    if name in _WORLD_NAMES:
+        from . import tcp_world
 
-    Used by elastic training, which assigns ranks itself and forms a new world per
-    generation: each rank sets ``{prefix}/crowded/{rank}`` (``1`` when it shares a core with
-    another rank, see ``Transport.crowded``) and then ``{prefix}/addr/{rank}`` on the
-    rendezvous ``client``, and waits for every other rank's address. ``job`` (distinct per
-    generation) makes the handshake refuse connections from another generation's transports.
-    """
-    check_timeout(timeout)  # before anything is opened
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
-    if bind is None:
-        host, _ = client.local_address
-        bind = "127.0.0.1" if _is_loopback(host) else host
-    transport = TcpTransport(rank, world_size, token=token, job=job, max_payload=max_payload,
-                             peer_loss=peer_loss)
-    try:
-        host, lport = await transport.listen(bind, 0)
-        await client.set(f"{prefix}/crowded/{rank}", b"1" if transport.yields else b"0")
-        await client.set(f"{prefix}/addr/{rank}", f"{host}:{lport}")
-        keys = [f"{prefix}/addr/{r}" for r in range(world_size)]
-        await client.wait(keys, timeout=timeout)
-        crowded = False
-        for r, key in enumerate(keys):
-            value = (await client.get(key, wait=False)).decode()
-            peer_host, _, peer_port = value.rpartition(":")
-            transport.addresses[r] = (peer_host, int(peer_port))
-            # set before the address: there by now
-            crowded |= await client.get(f"{prefix}/crowded/{r}", wait=False) == b"1"
-        transport.crowded = crowded
-        await transport.connect_peers(startup_peers(rank, world_size))
-    except BaseException:
-        await transport.close()
-        raise
-    return Communicator(transport, timeout=timeout, tuning=tuning, backend="tcp")
+        return getattr(tcp_world, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
-                          tuning: Tuning | None = None, token: str | bytes | None = None,
-                          max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                          peer_loss: str = "abort") -> list[Communicator]:
-    """``world_size`` TCP ranks in this event loop, over loopback sockets and a real rendezvous."""
-    from ..rendezvous import RendezvousServer
-
-    server = RendezvousServer("127.0.0.1", 0, token=token)
-    await server.start()
-    ranks = [asyncio.ensure_future(tcp_init(
-        rank=r, world_size=world_size, addr="127.0.0.1", port=server.port, timeout=timeout,
-        token=token, tuning=tuning, host_rendezvous=False, max_payload=max_payload,
-        peer_loss=peer_loss)) for r in range(world_size)]
-
-    async def close_all() -> None:
-        for c in await asyncio.gather(*ranks, return_exceptions=True):
-            if isinstance(c, Communicator):
-                await c.close()
-        await server.close()
-
-    try:
-        await asyncio.wait(ranks)
-    except BaseException:  # cancelled while forming: the ranks formed so far are closed too
-        for task in ranks:
-            task.cancel()
-        await uncancelled(close_all())  # (even if cancelled again meanwhile)
-        raise
-    failed = next((exc for exc in (task.exception() for task in ranks) if exc is not None),
-                  None)
-    if failed is not None:
-        await uncancelled(close_all())
-        raise failed
-    good = [task.result() for task in ranks]
-    good[0].transport._on_close.append(server.close)  # type: ignore[attr-defined]
-    return good
-
-
-__all__ = ["PEER_LOSS_MODES", "TcpTransport", "tcp_init", "tcp_local_world", "tcp_store_world"]
+__all__ = ["PEER_LOSS_MODES", "TcpTransport", "tcp_init",  # noqa: F822 (the last three: __getattr__)
+           "tcp_local_world", "tcp_store_world"]
