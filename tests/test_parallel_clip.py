@@ -340,6 +340,34 @@ async def test_inf_max_norm_only_measures() -> None:
         assert norm == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+async def test_measuring_the_norm_keeps_max_grad_norm(strategy: str) -> None:
+    """clip_grad_norm(math.inf), to log the norm, before the step of a wrapper with
+    max_grad_norm: the step used to skip the option's clipping (a 'clip' already ran), so the
+    update was that of the unclipped gradient. It clips as torch's second clip_grad_norm_
+    would; last_grad_norm keeps the measured norm."""
+    data = make_data(steps=2)
+    want_norms, want = await reference(data, CLIPS)
+    check_clipping(want_norms, CLIPS)
+
+    async def rank(comm: Communicator) -> tuple[list[float], dict[str, np.ndarray]]:
+        dist = DistributedModel(MLP(SIZES, seed=3), comm, sgd(), strategy=strategy,
+                                max_grad_norm=CLIPS)
+        norms = []
+        for (batch,) in data:
+            await dist.forward_backward(split_batch(batch, comm.rank, comm.world_size))
+            measured = await dist.clip_grad_norm(math.inf)
+            await dist.optimizer_step()
+            assert dist.last_grad_norm == measured
+            norms.append(measured)
+        return norms, await dist.full_parameters()
+
+    results = await run_world(rank, 2, "memory")
+    assert_identical(results)
+    assert results[0][0] == pytest.approx(want_norms, rel=1e-12)
+    assert_close(results[0][1], want)
+
+
 async def _whole_grads(batch: Batch) -> dict[str, np.ndarray]:
     model = MLP(SIZES, seed=3)
     grads = {s.name: np.zeros(s.shape) for s in model.param_specs()}

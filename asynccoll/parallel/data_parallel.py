@@ -165,7 +165,8 @@ class DistributedModel:
         """The global gradient norm the last clipping found (``max_grad_norm`` in
         ``optimizer_step``, or ``clip_grad_norm``), before clipping and the same on every
         rank; None before any."""
-        self._clipped = False           # clip_grad_norm ran since the last pass or step
+        #: the smallest max_norm clip_grad_norm clipped to since the last pass or step
+        self._clipped: float | None = None
         self._norm_groups: list[ModelParallelGroup] | None = None
         self.rank, self.world_size = comm.rank, comm.world_size
         self.layout = lay = FlatLayout(model.param_specs(), comm.world_size, bucket_bytes)
@@ -290,7 +291,7 @@ class DistributedModel:
         await self.start()
         await self._before_pass()
         self._buffers_due = self._sync
-        self._clipped = False
+        self._clipped = None
         return await self._pass(self.model.forward_backward(batch, _Hooks(self, backward=True)))
 
     async def loss(self, batch: Any) -> float:
@@ -359,9 +360,16 @@ class DistributedModel:
             if opt is not self._optimizer and opt.hyper != hyper:
                 opt._configure(hyper)
         self._frozen = lay.frozen_ranges(self.model.param_specs())
-        if self.max_grad_norm is not None and not self._clipped:
+        if self.max_grad_norm is not None and (self._clipped is None
+                                               or self._clipped > self.max_grad_norm):
+            # not clipped yet, or to a larger norm (clip_grad_norm(math.inf) to measure it):
+            # clip to max_grad_norm as torch's second clip_grad_norm_ would; the norm the
+            # caller's clip_grad_norm returned stays in last_grad_norm
+            measured = self.last_grad_norm if self._clipped is not None else None
             await self._clip(self.max_grad_norm, False)
-        self._clipped = False
+            if measured is not None:
+                self.last_grad_norm = measured
+        self._clipped = None
         if self.strategy == "ddp":
             assert self._params is not None and self._grads is not None
             self._opt_step(self._opts[0], self._params, self._grads, 0)
@@ -405,7 +413,7 @@ class DistributedModel:
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradients (``optimizer_step`` does this itself)."""
-        self._clipped = False
+        self._clipped = None
         for g in (self._grads, self._shard_grads):
             if g is not None:
                 g.fill(0)
@@ -424,7 +432,9 @@ class DistributedModel:
         over ranks (``Model.model_parallel_groups``: pipeline stages, tensor shards) with one
         over each of its groups; ``ddp`` and ``zero1`` hold the whole averaged gradient and
         communicate nothing. Call it outside ``no_sync`` (the gradients must be averaged).
-        ``optimizer_step`` does not clip again when the wrapper has ``max_grad_norm``.
+        With ``max_grad_norm`` on the wrapper, ``optimizer_step`` then clips again only if
+        ``max_norm`` was larger (so measuring with ``math.inf`` keeps the option's clipping;
+        ``last_grad_norm`` keeps the norm returned here).
 
         A non-finite norm scales the gradients by NaN (or 0), as torch's default does: check
         the returned norm and call ``zero_grad`` instead of ``optimizer_step`` to skip such
@@ -435,7 +445,7 @@ class DistributedModel:
         await self.start()
         self._frozen = self.layout.frozen_ranges(self.model.param_specs())
         total = await self._clip(max_norm, error_if_nonfinite)
-        self._clipped = True
+        self._clipped = max_norm if self._clipped is None else min(self._clipped, max_norm)
         return total
 
     async def _clip(self, max_norm: float, error_if_nonfinite: bool) -> float:
