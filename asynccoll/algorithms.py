@@ -58,7 +58,8 @@ from .transport.base import (
     compute_and_post_inline,
 )
 from .tuning import Tuning
-from .wire import Frame, FrameKind, ReduceOnRead, array_view, dtype_code
+from .wire import Frame, FrameKind, array_view, dtype_code
+from .wire_stream import ReduceOnRead
 
 #: the kind of collective frames, looked up once (an enum attribute costs ~0.1 us a time)
 _DATA = int(FrameKind.DATA)

@@ -1,12 +1,15 @@
 """The layering rules of STYLE.md, read from the source with ``ast``.
 
-* ``asynccoll/wire.py`` (sans-IO) imports nothing of asynccoll except ``errors``, and no I/O.
+* ``asynccoll/wire.py`` (sans-IO) imports nothing of asynccoll except ``errors``, and no I/O;
+  ``wire_stream.py``, split off it, nothing but ``wire``; ``wire`` imports it only lazily, for
+  the names it still re-exports.
 * ``asynccoll/collectives.py`` and ``algorithms.py`` never import a concrete transport (memory,
   tcp, nccl, mpi, and the modules split off them: tcp_world, mpi_world).
 * ``transport/tcp_world.py`` (forming worlds) builds on ``transport/tcp.py`` (the data path);
   ``tcp.py`` imports it only lazily, for the names it still re-exports, so either imports
   first.
-* nothing under ``asynccoll/parallel/`` imports ``asynccoll.transport`` or ``asynccoll.wire``.
+* nothing under ``asynccoll/parallel/`` imports ``asynccoll.transport`` or ``asynccoll.wire``
+  (nor ``wire_stream``).
 * ``import asynccoll`` imports no optional dependency (torch, cupy, mpi4py).
 * no module keeps obvious module-level mutable state (a dict/list/set bound to a name that is
   not an ALL_CAPS constant).
@@ -96,13 +99,45 @@ def test_import_resolution_itself():
     assert MODULES and any(p.name == "wire.py" for p in MODULES)
 
 
-def test_wire_is_sans_io_and_imports_only_errors():
-    found = imports(PACKAGE / "wire.py")
+def top_level_imports(path: Path) -> set[str]:
+    """What ``path`` imports at module level (not inside functions)."""
+    tree = ast.parse(path.read_text())
+    return {n for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)
+            for n in imports_of(ast.unparse(node), module_name(path))}
+
+
+@pytest.mark.parametrize(("module", "allowed"), [
+    ("wire.py", ("asynccoll.errors", "asynccoll.wire_stream")),
+    ("wire_stream.py", ("asynccoll.wire",)),
+])
+def test_wire_is_sans_io_and_imports_only_errors(module: str, allowed: tuple[str, ...]) -> None:
+    found = imports(PACKAGE / module)
     ours = {n for n in found if within(n, "asynccoll")}
-    bad = {n for n in ours if not within(n, "asynccoll.errors")}
-    assert not bad, f"wire.py may import only asynccoll.errors, imports {sorted(bad)}"
+    bad = {n for n in ours if not any(within(n, a) for a in allowed)}
+    assert not bad, f"{module} may import only {allowed}, imports {sorted(bad)}"
     io = {n for n in found if n.split(".")[0] in {"asyncio", "socket", "selectors", "uvloop"}}
-    assert not io, f"wire.py is sans-IO, but imports {sorted(io)}"
+    assert not io, f"{module} is sans-IO, but imports {sorted(io)}"
+
+
+def test_wire_stream_sits_above_wire():
+    """``wire_stream`` imports ``wire``; ``wire`` reaches ``wire_stream`` only from its module
+    ``__getattr__`` (the names that moved keep importing from ``wire``)."""
+    assert not {n for n in top_level_imports(PACKAGE / "wire.py")
+                if within(n, "asynccoll.wire_stream")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for first in ("asynccoll.wire_stream", "asynccoll.wire"):
+        code = (f"import {first}\n"
+                "from asynccoll import wire, wire_stream\n"
+                "from asynccoll.wire import BufferedFrameReader, HeadCache, HeaderMemo, "
+                "ReduceOnRead\n"
+                "assert BufferedFrameReader is wire_stream.BufferedFrameReader\n"
+                "assert wire.PayloadSink is wire_stream.PayloadSink\n"
+                "assert {'BufferedFrameReader', 'HeadCache', 'HeaderMemo', 'ReduceOnRead'} "
+                "<= set(wire.__all__)\n")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 0, f"importing {first} first: {proc.stderr}"
 
 
 @pytest.mark.parametrize("module", ["collectives.py", "algorithms.py"])
@@ -115,10 +150,8 @@ def test_collectives_never_import_a_concrete_transport(module: str) -> None:
 def test_tcp_world_sits_above_the_tcp_data_path():
     """``tcp_world`` imports ``tcp``; ``tcp`` reaches ``tcp_world`` only from its module
     ``__getattr__`` (the names that moved keep importing from ``tcp``)."""
-    tree = ast.parse((PACKAGE / "transport" / "tcp.py").read_text())
-    top = {n for node in tree.body for n in imports_of(ast.unparse(node), "asynccoll.transport.tcp")
-           if isinstance(node, ast.Import | ast.ImportFrom)}
-    assert not {n for n in top if within(n, "asynccoll.transport.tcp_world")}
+    assert not {n for n in top_level_imports(PACKAGE / "transport" / "tcp.py")
+                if within(n, "asynccoll.transport.tcp_world")}
     assert "asynccoll.transport.tcp.TcpTransport" in imports(PACKAGE / "transport" / "tcp_world.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -140,7 +173,8 @@ def test_parallel_uses_the_communicator_only():
     offenders = {}
     for path in sorted(parallel.rglob("*.py")) if parallel.is_dir() else []:
         bad = {n for n in imports(path)
-               if within(n, "asynccoll.transport") or within(n, "asynccoll.wire")}
+               if within(n, "asynccoll.transport") or within(n, "asynccoll.wire")
+               or within(n, "asynccoll.wire_stream")}
         if bad:
             offenders[rel(path)] = sorted(bad)
     assert not offenders, f"parallel/ must use Communicator only: {offenders}"

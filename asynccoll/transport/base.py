@@ -20,7 +20,7 @@ receiver only reads the payload (to reduce it into its own data) and releases it
 buffer as usual. ``Transport.lends`` tells algorithms which of the two they get.
 
 A receive whose data is only combined into an array may also name that array
-(``reduce``, a ``wire.ReduceOnRead``): a backend that reads sockets itself
+(``reduce``, a ``wire_stream.ReduceOnRead``): a backend that reads sockets itself
 (``Transport.reduces_on_read``) then combines the payload into it as it reads, a
 cache-sized piece at a time, instead of filling ``into`` first; the frame it delivers then
 carries the ``ReduceOnRead`` as its payload. A frame that arrived before the receive was
@@ -59,7 +59,8 @@ from ..errors import (
     PeerLostError,
 )
 from ..scratch import ScratchPool
-from ..wire import Frame, FrameHeader, FrameKind, HeadCache, ReduceOnRead
+from ..wire import Frame, FrameHeader, FrameKind
+from ..wire_stream import HeadCache, ReduceOnRead
 
 log = logging.getLogger("asynccoll.transport")
 

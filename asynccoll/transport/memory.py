@@ -35,10 +35,10 @@ from ..wire import (
     Frame,
     FrameHeader,
     FrameKind,
-    HeaderMemo,
     encode_head,
     parse_prefix,
 )
+from ..wire_stream import HeaderMemo
 from .base import Key, Transport, Work, copy_bytes, frame_key
 
 log = logging.getLogger("asynccoll.transport.memory")

@@ -70,13 +70,12 @@ from ..errors import (
 from ..handshake import REASON_PROTOCOL, ClientHandshake, ServerHandshake
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
-    BufferedFrameReader,
     Frame,
     FrameHeader,
     FrameKind,
-    ReduceOnRead,
     encode_frame_bytes,
 )
+from ..wire_stream import BufferedFrameReader, ReduceOnRead
 from .base import Key, Transport, checked_payload, frame_key, payload_too_large
 
 log = logging.getLogger("asynccoll.transport.tcp")
