@@ -3,8 +3,8 @@
 * ``asynccoll/wire.py`` (sans-IO) imports nothing of asynccoll except ``errors``, and no I/O;
   ``wire_stream.py``, split off it, nothing but ``wire``; ``wire`` imports it only lazily, for
   the names it still re-exports.
-* ``asynccoll/collectives.py`` and ``algorithms.py`` never import a concrete transport (memory,
-  tcp, nccl, mpi, and the modules split off them: tcp_world, mpi_world).
+* ``asynccoll/collectives.py``, ``algorithms.py`` and ``call.py`` never import a concrete
+  transport (memory, tcp, nccl, mpi, and the modules split off them: tcp_world, mpi_world).
 * ``transport/tcp_world.py`` (forming worlds) builds on ``transport/tcp.py`` (the data path);
   ``tcp.py`` imports it only lazily, for the names it still re-exports, so either imports
   first.
@@ -140,7 +140,7 @@ def test_wire_stream_sits_above_wire():
         assert proc.returncode == 0, f"importing {first} first: {proc.stderr}"
 
 
-@pytest.mark.parametrize("module", ["collectives.py", "algorithms.py"])
+@pytest.mark.parametrize("module", ["collectives.py", "algorithms.py", "call.py"])
 def test_collectives_never_import_a_concrete_transport(module: str) -> None:
     found = imports(PACKAGE / module)
     bad = {n for n in found for t in CONCRETE_TRANSPORTS if within(n, t)}

@@ -23,7 +23,7 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 from asynccoll import CollectiveError, Communicator, ReduceOp
-from asynccoll import algorithms as algorithms_module
+from asynccoll import call as call_module
 from asynccoll.algorithms import Call, Recv, poll_window
 from asynccoll.transport import tcp as tcp_module
 from asynccoll.transport.tcp import TcpTransport, tcp_local_world, tcp_store_world, world_crowded
@@ -592,7 +592,7 @@ def test_hand_over_yields_only_where_cores_are_shared(monkeypatch):
     hands_over (two or more ranks per core) and for sends of at least
     Tuning.hand_over_bytes (by default every send)."""
     yielded = []
-    monkeypatch.setattr(algorithms_module.os, "sched_yield", lambda: yielded.append(1))
+    monkeypatch.setattr(call_module.os, "sched_yield", lambda: yielded.append(1))
     for hands_over, threshold, nbytes, expected in [
             (False, 0, 1 << 20, 0), (True, 0, 0, 1), (True, 0, 8, 1),
             (True, 64 << 10, (64 << 10) - 1, 0), (True, 64 << 10, 64 << 10, 1),

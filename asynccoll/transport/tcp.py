@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from .._aio import close_server, wait_server_closed
-from ..algorithms import POLL_READS
+from ..call import POLL_READS
 from ..errors import (
     AuthenticationError,
     CollectiveError,
