@@ -554,6 +554,13 @@ class Communicator:
             bounds = row_bounds(a.shape[0], row, call.size)
             if call.size == 1:
                 out = flat.copy()
+            elif algo == "doubling":
+                # small: the whole array all-reduced along recursive doubling's pairs (the
+                # lean path of small all_reduces), this rank's block kept
+                whole = flat.copy()
+                await recursive_doubling(call, whole, op)
+                start, stop = bounds[call.rank]
+                out = whole[start:stop]
             elif algo == "ring":
                 out = await ring_reduce_scatter(call, flat, bounds, op)
             else:

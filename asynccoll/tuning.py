@@ -17,13 +17,24 @@ class Tuning:
 
     Attributes:
         small_bytes: at or below this, latency-optimal algorithms (recursive doubling
-            all_reduce and reduce, direct reduce_scatter; gather when the gathered bytes
-            are at most this); above it, bandwidth-optimal ring algorithms (gather: straight
-            to the root). Over TCP, the small algorithms against the large ones, 2 ranks:
-            all_reduce 0.66 x the time and reduce_scatter 0.87 x at 128 KiB, reduce 0.46 x
-            and gather 0.54 x at 96 KiB; 4 ranks on 2 cores: 0.39, 0.83, 0.30 and 0.48 x.
-            Beyond 128 KiB it depends on the collective and the world (at 192 KiB with 4
-            ranks on 2 cores the reduce takes 1.25 x, at 256 KiB the all_reduce 1.17 x).
+            all_reduce and reduce, doubling or direct reduce_scatter; gather when the
+            gathered bytes are at most this); above it, bandwidth-optimal ring algorithms
+            (gather: straight to the root). Over TCP, the small algorithms against the large
+            ones, 2 ranks: all_reduce 0.66 x the time and reduce_scatter (direct) 0.87 x at
+            128 KiB, reduce 0.46 x and gather 0.54 x at 96 KiB; 4 ranks on 2 cores: 0.39,
+            0.83, 0.30 and 0.48 x. Beyond 128 KiB it depends on the collective and the world
+            (at 192 KiB with 4 ranks on 2 cores the reduce takes 1.25 x, at 256 KiB the
+            all_reduce 1.17 x).
+        doubling_reduce_scatter_bytes: a reduce_scatter of at most ``small_bytes`` whose
+            array, times the rounds of recursive doubling (log2 of the world size, rounded
+            up), is at most this all-reduces the whole array along recursive doubling's pairs
+            and keeps its block; otherwise every rank sends each peer its block (direct).
+            Doubling moves more bytes, ``log2(W)`` arrays against ``(W-1)/W`` of one, but
+            takes the lean receive path of small all_reduces, where the direct exchange
+            posts a receive per peer. Over TCP, 2 ranks: 8 B 0.56-0.39 x the time, 16 KiB
+            0.64-0.67 x, 64 KiB 0.95-0.74 x, 128 KiB 1.07-1.05 x; 4 ranks on 2 cores: 8 B
+            0.55 x, 16 KiB 0.52-0.72 x, 32 KiB 0.55-0.66 x, 64 KiB 0.85-0.89 x, 96 KiB
+            0.77-0.79 x, 128 KiB 0.98-1.06 x.
         chain_broadcast_bytes: at or above this, broadcast over 3 or more ranks pipelines
             segments along a chain instead of recursive doubling's pairs (a binomial tree
             whose idle pairs swap empty tokens, so that no separate agreement round is
@@ -122,6 +133,7 @@ class Tuning:
     """
 
     small_bytes: int = 128 * 1024
+    doubling_reduce_scatter_bytes: int = 128 * 1024
     chain_broadcast_bytes: int = 4 << 20
     segment_bytes: int = 4 << 20
     min_segment_bytes: int = 1 << 20
@@ -201,7 +213,10 @@ class Tuning:
         return "doubling" if nbytes <= self.small_bytes else "ring"
 
     def reduce_scatter(self, nbytes: int, world_size: int) -> str:
-        return "direct" if nbytes <= self.small_bytes else "ring"
+        if nbytes > self.small_bytes:
+            return "ring"
+        rounds = max(1, (world_size - 1).bit_length())
+        return "doubling" if nbytes * rounds <= self.doubling_reduce_scatter_bytes else "direct"
 
     def gather(self, nbytes: int, world_size: int) -> str:
         """``nbytes``: one rank's array. Up to ``small_bytes`` gathered in all, the blocks

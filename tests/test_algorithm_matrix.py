@@ -77,6 +77,7 @@ def random_tuning(rng: random.Random) -> Tuning:
         reduce_chunk_bytes=rng.choice(tiny),
         offload_bytes=rng.choice([0, 1, 64, 1 << 62]),
         reduce_on_read_bytes=rng.choice([0, 1, 64, 1 << 62]),
+        doubling_reduce_scatter_bytes=rng.choice([-1, 0, 4000, 1 << 62]),
     )
 
 

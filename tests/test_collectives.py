@@ -860,6 +860,36 @@ async def test_reduce_scatter(run, backend, tuning, world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("algo", ["doubling", "direct"])
+async def test_small_reduce_scatter_both_ways(run, backend, world_size, algo):
+    """The two small reduce_scatters: the whole array all-reduced along recursive doubling's
+    pairs (this rank's block kept), and every rank sending each peer its block."""
+    tuning = Tuning(doubling_reduce_scatter_bytes=1 << 62 if algo == "doubling" else -1)
+    assert tuning.reduce_scatter(1000, world_size) == algo
+    w = world_size
+    shapes = [(0,), (1, 3), (2 * w + 1, 3), (17,), (w + 1, 2, 2)]
+    cases = [("int32", ReduceOp.SUM), ("float64", ReduceOp.AVG), ("float32", ReduceOp.MAX),
+             ("bool", ReduceOp.BOR), ("complex64", ReduceOp.PROD)]
+
+    async def fn(comm: Communicator) -> None:
+        for (k, shape), (dtype, op) in itertools.product(enumerate(shapes), cases):
+            a = make_input(dtype, shape, k, comm.rank, op)
+            before = a.copy()
+            got = await comm.reduce_scatter(a, op)
+            full = reference(op, [make_input(dtype, shape, k, j, op) for j in range(w)])
+            what = f"{algo} reduce_scatter {dtype} {op} {shape} rank {comm.rank}"
+            want = np.array_split(full, w)[comm.rank]
+            if dtype == "complex64":
+                np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=what)
+            else:
+                assert_exact(got, want, what)
+            assert got.shape == want.shape and got.dtype == want.dtype, what
+            assert same_bits(a, before), f"{what}: input was modified"
+
+    await run(fn, world_size, backend, tuning=tuning)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 async def test_all_gather(run, backend, tuning, world_size):
     # (dtype, rows of rank r, trailing axes)
     cases: list[tuple[str, Callable[[int], int], tuple[int, ...]]] = [
