@@ -15,7 +15,6 @@ server's proof first (an honest client would have stopped after the CHALLENGE).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -224,18 +223,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUTPUT.exists() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT} is out of date; run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(text)
-    return 0
+    from _vectorfile import write_or_check  # (protocol/, the script's own directory)
+
+    return write_or_check(OUTPUT, render(), __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Invalid and non-canonical vectors are assembled by hand from raw prefixes and ms
 
 from __future__ import annotations
 
-import argparse
 import json
 import struct
 import sys
@@ -317,20 +316,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="compare with the committed file instead of writing it")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUTPUT.exists() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT} is out of date; run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT.relative_to(ROOT)}")
-    return 0
+    from _vectorfile import write_or_check  # (protocol/, the script's own directory)
+
+    return write_or_check(OUTPUT, render(), __doc__, argv)
 
 
 if __name__ == "__main__":
