@@ -1,10 +1,27 @@
-"""The command line the vector generators share: write the vector file, or check it."""
+"""What the vector generators share: the files' layout (one vector per line) and their command
+line (write the file, or check it)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
+
+
+def json_lines(data: dict[str, Any], lists: tuple[str, ...]) -> str:
+    """``data`` as JSON with every element of its ``lists`` (keys, last in the file) on a
+    line of its own, the other keys first, one per line."""
+    lines = ["{"]
+    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k not in lists]
+    lines.append(",\n".join(head) + ",")
+    for key in lists:
+        lines.append(f' "{key}": [')
+        lines.append(",\n".join("  " + json.dumps(e) for e in data[key]))
+        lines.append(" ]," if key != lists[-1] else " ]")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
 
 
 def write_or_check(output: Path, text: str, doc: str | None, argv: list[str] | None) -> int:

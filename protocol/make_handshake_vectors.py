@@ -15,7 +15,6 @@ server's proof first (an honest client would have stopped after the CHALLENGE).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ if str(ROOT) not in sys.path:
 from asynccoll import handshake  # noqa: E402
 from asynccoll.errors import AuthenticationError, ProtocolError  # noqa: E402
 from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes  # noqa: E402
+from protocol._vectorfile import json_lines, write_or_check  # noqa: E402
 
 OUTPUT = ROOT / "protocol" / "vectors" / "handshake.json"
 
@@ -209,22 +209,10 @@ def build() -> dict[str, Any]:
 
 def render() -> str:
     """The file's exact text."""
-    data = build()
-    lines = ["{"]
-    lists = ("exchanges", "malformed")
-    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k not in lists]
-    lines.append(",\n".join(head) + ",")
-    for key in lists:
-        lines.append(f' "{key}": [')
-        lines.append(",\n".join("  " + json.dumps(e) for e in data[key]))
-        lines.append(" ]," if key != lists[-1] else " ]")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return json_lines(build(), ("exchanges", "malformed"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _vectorfile import write_or_check  # (protocol/, the script's own directory)
-
     return write_or_check(OUTPUT, render(), __doc__, argv)
 
 

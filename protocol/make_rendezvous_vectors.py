@@ -17,7 +17,6 @@ their own, without a response.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ from asynccoll.wire import (  # noqa: E402
     decode_frames,
     encode_frame_bytes,
 )
+from protocol._vectorfile import json_lines, write_or_check  # noqa: E402
 
 OUTPUT = ROOT / "protocol" / "vectors" / "rendezvous.json"
 TOKEN = "secret"
@@ -239,22 +239,10 @@ def build() -> dict[str, Any]:
 
 def render() -> str:
     """The file's exact text: one vector per line."""
-    data = build()
-    lines = ["{"]
-    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items()
-            if k not in ("session", "closing")]
-    lines.append(",\n".join(head) + ",")
-    for key, last in (("session", False), ("closing", True)):
-        lines.append(f' "{key}": [')
-        lines.append(",\n".join("  " + json.dumps(e) for e in data[key]))
-        lines.append(" ]" if last else " ],")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return json_lines(build(), ("session", "closing"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _vectorfile import write_or_check  # (protocol/, the script's own directory)
-
     return write_or_check(OUTPUT, render(), __doc__, argv)
 
 

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 from asynccoll import wire  # noqa: E402
 from asynccoll.errors import ProtocolError  # noqa: E402
 from asynccoll.wire import Frame, FrameHeader, FrameKind  # noqa: E402
+from protocol._vectorfile import write_or_check  # noqa: E402
 
 OUTPUT = ROOT / "protocol" / "vectors" / "frames.json"
 PREFIX = struct.Struct("!4sBBHIQ")
@@ -316,8 +317,6 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _vectorfile import write_or_check  # (protocol/, the script's own directory)
-
     return write_or_check(OUTPUT, render(), __doc__, argv)
 
 
