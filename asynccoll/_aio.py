@@ -1,9 +1,11 @@
-"""Small asyncio helpers shared by the rendezvous server, the transports and ``run_local``."""
+"""Small asyncio and network helpers shared by the rendezvous server, the transports and
+``run_local``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -56,3 +58,14 @@ async def wait_server_closed(server: asyncio.Server) -> None:
     or stuck peer would otherwise hold up for ever."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(server.wait_closed(), SERVER_CLOSE_TIMEOUT)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback: 127.0.0.0/8,
+    ::1, and 127.x written as an IPv4-mapped IPv6 address."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback

@@ -885,3 +885,24 @@ async def test_response_over_the_clients_own_limit_names_that_limit(
     async with await connect(server, max_value_bytes=1024) as small:
         with pytest.raises(RendezvousError, match="max_value_bytes is 1024"):
             await small.get("big")
+
+
+@pytest.mark.parametrize(("host", "warned"), [("127.0.0.2", False), ("127.0.0.1", False),
+                                              ("0.0.0.0", True)])
+async def test_a_server_without_token_warns_only_beyond_loopback(
+        host: str, warned: bool, logs: LogWatch) -> None:
+    """All of 127.0.0.0/8 is loopback (the server compared the host with three strings, so
+    127.0.0.2 warned that anyone could reach it)."""
+    async with RendezvousServer(host, 0):
+        pass
+    said = [m for m in logs.messages() if "has no token" in m]
+    assert bool(said) == warned, said
+
+
+def test_loopback_addresses() -> None:
+    from asynccoll._aio import is_loopback
+
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "localhost", "::ffff:127.0.0.1"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "10.0.0.1", "::", "example.org", "::ffff:10.0.0.1"):
+        assert not is_loopback(host), host

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._aio import close_server, uncancelled, wait_server_closed
+from .._aio import close_server, is_loopback, uncancelled, wait_server_closed
 from ..errors import ProtocolError
 from ..handshake import read_frame, server_handshake, write_frame
 from ..wire import Frame, FrameHeader, FrameKind
@@ -193,7 +193,7 @@ class RendezvousServer:
             raise
         sockname = self._server.sockets[0].getsockname()
         self._address = (sockname[0], sockname[1])
-        if not self._token and host not in ("127.0.0.1", "localhost", "::1"):
+        if not self._token and not is_loopback(host):
             logger.warning("rendezvous server on %s:%d has no token: anyone who can reach it "
                            "can read and write the store", *self._address)
 

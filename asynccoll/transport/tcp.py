@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from .._aio import close_server, wait_server_closed
+from .._aio import close_server, is_loopback, wait_server_closed
 from ..call import POLL_READS
 from ..errors import (
     AuthenticationError,
@@ -641,7 +641,7 @@ class TcpTransport(Transport):
             lambda: _Connection(self), host, port, reuse_address=True, start_serving=False)
         await self._server.start_serving()
         sockname = self._server.sockets[0].getsockname()
-        if not self.token and not _is_loopback(sockname[0]):
+        if not self.token and not is_loopback(sockname[0]):
             log.warning("rank %d listens on %s:%d without a token: anyone who can reach it "
                         "can join the world as a rank and feed it data (set ASYNCCOLL_TOKEN)",
                         self.rank, sockname[0], sockname[1])
@@ -1112,13 +1112,6 @@ def _ranks_per_core() -> float:
         ranks = 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(ranks, 1) / (cores or 1)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 #: names that moved to ``tcp_world`` (forming worlds), still importable from here; looked up

@@ -14,13 +14,13 @@ import asyncio
 import os
 from typing import Any
 
-from .._aio import uncancelled
+from .._aio import is_loopback, uncancelled
 from ..algorithms import power_of_two_fold
 from ..collectives import Communicator, check_timeout
 from ..errors import CollectiveError
 from ..tuning import Tuning
 from ..wire import DEFAULT_MAX_PAYLOAD_BYTES
-from .tcp import TcpTransport, _env, _is_loopback
+from .tcp import TcpTransport, _env
 
 #: Worlds up to this many ranks connect every pair at start-up (as Gloo does); larger ones
 #: only the pairs their ring, recursive doubling and barrier use.
@@ -125,7 +125,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
 
     server = None
     if host_rendezvous:
-        server = RendezvousServer(addr if not _is_loopback(addr) else "127.0.0.1", rdv_port,
+        server = RendezvousServer(addr if not is_loopback(addr) else "127.0.0.1", rdv_port,
                                   token=token)
         await server.start()
         rdv_port = server.port
@@ -138,7 +138,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
             bind = _env("ASYNCCOLL_BIND")
         if bind is None:
             # the address this machine uses to reach the rendezvous is one the others can reach
-            bind = _local_ip(client) if not _is_loopback(rdv_host) else "127.0.0.1"
+            bind = _local_ip(client) if not is_loopback(rdv_host) else "127.0.0.1"
         transport = TcpTransport(rank, world_size, token=token, max_payload=max_payload,
                                  peer_loss=peer_loss)
         host, lport = await transport.listen(bind, 0)
@@ -193,7 +193,7 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     if bind is None:
         host, _ = client.local_address
-        bind = "127.0.0.1" if _is_loopback(host) else host
+        bind = "127.0.0.1" if is_loopback(host) else host
     transport = TcpTransport(rank, world_size, token=token, job=job, max_payload=max_payload,
                              peer_loss=peer_loss)
     try:
