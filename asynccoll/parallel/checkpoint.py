@@ -271,13 +271,15 @@ async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
                         "model's buffers (%s...) are left as they are", path, specs[0].name)
     else:
         try:
-            dist.load_buffers(model_buffers)
+            dist.check_buffers(model_buffers)  # (before anything is loaded)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
     if dist.optimizer is not None and opt is not None:
         dist.load_full_state(params, buffers, int(meta["step"]), opt.get("hyper"))
     else:
         dist.load_full_state(params, {}, int(meta["step"]))
+    if model_buffers is not None:
+        dist.load_buffers(model_buffers)
     await dist.comm.barrier()
 
 

@@ -54,7 +54,7 @@ from .clip import (
 )
 from .compression import Compression, make_compression
 from .layout import Bucket, FlatLayout
-from .model import Model, ModelParallelGroup
+from .model import BufferSpec, Model, ModelParallelGroup
 from .optim import Optimizer, step_keeping
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3"]
@@ -565,14 +565,10 @@ class DistributedModel:
             pos += size
         return out
 
-    def load_buffers(self, buffers: dict[str, np.ndarray], *, strict: bool = True) -> None:
-        """Copy ``buffers`` (by name) into the model's buffers on this rank.
-
-        With ``strict`` (the default), ``buffers`` must hold exactly the model's persistent
-        buffers (non-persistent ones may be given too); otherwise names the model lacks are an
-        error and buffers not given are left as they are. Raises ``ValueError`` for a missing
-        or unknown name or a shape that does not fit; nothing is copied then.
-        """
+    def check_buffers(self, buffers: dict[str, np.ndarray], *, strict: bool = True
+                      ) -> dict[str, BufferSpec]:
+        """The ``ValueError`` ``load_buffers`` would raise for ``buffers``, if any (nothing
+        is copied); else the model's buffer specs by name."""
         specs = {s.name: s for s in self._buffer_specs}
         unknown = sorted(set(buffers) - set(specs))
         missing = sorted(s.name for s in self._buffer_specs
@@ -584,6 +580,17 @@ class DistributedModel:
             if np.shape(value) != specs[name].shape:
                 raise ValueError(f"buffer {name!r}: shape {np.shape(value)}, the model's "
                                  f"{specs[name].shape}")
+        return specs
+
+    def load_buffers(self, buffers: dict[str, np.ndarray], *, strict: bool = True) -> None:
+        """Copy ``buffers`` (by name) into the model's buffers on this rank.
+
+        With ``strict`` (the default), ``buffers`` must hold exactly the model's persistent
+        buffers (non-persistent ones may be given too); otherwise names the model lacks are an
+        error and buffers not given are left as they are. Raises ``ValueError`` for a missing
+        or unknown name or a shape that does not fit; nothing is copied then.
+        """
+        specs = self.check_buffers(buffers, strict=strict)
         arrays = dict(zip(specs, self._buffer_arrays(), strict=True))
         for name, value in buffers.items():
             np.copyto(arrays[name], np.asarray(value).astype(specs[name].dtype, copy=False))
