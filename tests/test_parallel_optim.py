@@ -246,3 +246,26 @@ def test_defaults_and_repr() -> None:
     assert Adam().hyper["weight_decay"] == 0.0
     assert repr(SGD(lr=0.5)) == ("SGD(lr=0.5, momentum=0.0, dampening=0.0, "
                                  "weight_decay=0.0, nesterov=False)")
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_set_after_steps_without_it_matches_torch(nesterov: bool) -> None:
+    """Momentum turned on mid-run (as a param_group change in torch): its buffer starts at
+    that step's update (it raised KeyError: the buffer was only made at the first step)."""
+    torch = pytest.importorskip("torch")
+    p0, grads = data()
+    ours, opt = p0.copy(), SGD(lr=0.1, weight_decay=0.01)
+    theirs = torch.nn.Parameter(torch.tensor(p0, dtype=torch.float64))
+    topt = torch.optim.SGD([theirs], lr=0.1, weight_decay=0.01)
+    for i, g in enumerate(grads):
+        if i == STEPS // 2:
+            opt.momentum, opt.nesterov = 0.9, nesterov
+            for group in topt.param_groups:
+                group["momentum"], group["nesterov"] = 0.9, nesterov
+        opt.step(ours, g)
+        theirs.grad = torch.tensor(g)
+        topt.step()
+        np.testing.assert_allclose(ours, theirs.detach().numpy(), rtol=1e-12, atol=1e-14,
+                                   err_msg=f"step {i + 1}")
+    np.testing.assert_allclose(opt.state_dict()["buffers"]["momentum_buffer"],
+                               topt.state[theirs]["momentum_buffer"].numpy(), rtol=1e-12)

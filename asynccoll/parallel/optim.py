@@ -247,8 +247,10 @@ class SGD(Optimizer):
             scratch += grads
             d = scratch
         if self.momentum != 0:
-            buf = self._buffers["momentum_buffer"]
-            if self._step == 1:
+            buf = self._buffers.get("momentum_buffer")
+            if buf is None:  # momentum set after steps without it: it starts here (as torch's)
+                buf = self._buffers["momentum_buffer"] = np.array(d, copy=True)
+            elif self._step == 1:
                 np.copyto(buf, d)
             else:
                 buf *= self.momentum
