@@ -86,6 +86,7 @@ from .base import describe_sig
 from .mpi_world import (
     _HEAD_WORDS,
     _MOVE_TYPES,
+    SETTLE_RECEIVES,
     MpiWorld,
     _flat_bytes,
     _free,
@@ -903,7 +904,8 @@ class MpiCommunicator(Communicator):
 def _keep_early(mpi: Any, early: dict[tuple[int, int], deque[tuple[np.ndarray, Any]]]
                 ) -> None:
     """The payloads of messages nobody received: MPI may still be writing them."""
-    keep_pending(mpi, [([req], (arr,)) for queue in early.values() for arr, req in queue])
+    keep_pending(mpi, [([req], (arr,)) for queue in early.values() for arr, req in queue],
+                 settle=SETTLE_RECEIVES)
     early.clear()
 
 

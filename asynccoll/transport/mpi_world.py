@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -99,15 +100,31 @@ _ABANDONED: list[tuple[list[Any], tuple[Any, ...]]] = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))
 
 
-def keep_pending(mpi: Any, items: list[tuple[list[Any], tuple[Any, ...]]]) -> None:
+#: seconds ``keep_pending`` lets receives already under way finish (see there)
+SETTLE_RECEIVES = 5.0
+
+
+def keep_pending(mpi: Any, items: list[tuple[list[Any], tuple[Any, ...]]], *,
+                 settle: float = 0.0) -> None:
     """Move the ``(requests, buffers)`` of ``items`` that MPI has not completed to the list
     that is never freed, and empty ``items``: what their owner leaves behind as it is closed,
-    dropped or the interpreter ends (a message nobody received, a send nobody took)."""
+    dropped or the interpreter ends (a message nobody received, a send nobody took).
+
+    ``settle``: first wait up to this long for them to complete (receives whose message was
+    matched: their sender is sending, so they end). A process that ended while such a
+    receive was still reading left its sender's MPI_Finalize hanging on the closed
+    connection ("writev failed: Broken pipe"), about one run in twelve."""
+    deadline = time.monotonic() + settle
     for reqs, keep in items:
-        try:
-            done = bool(mpi.Request.Testall(reqs))
-        except Exception:  # MPI finalized or failed: keep them, whatever their state
-            done = False
+        while True:
+            try:
+                done = bool(mpi.Request.Testall(reqs))
+            except Exception:  # MPI finalized or failed: keep them, whatever their state
+                done = False
+                break
+            if done or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0005)
         if not done:
             _ABANDONED.append((reqs, keep))
     items.clear()
@@ -142,6 +159,7 @@ class MpiWorld:
         # sends still going out when the world is dropped unclosed (or the interpreter ends)
         weakref.finalize(self, keep_pending, mpi, self._sends)
         self._abandoned = _ABANDONED
+
         self._status = mpi.Status()
         self._closed = False
         #: collectives and receives in progress on the world and its subgroups
