@@ -213,6 +213,11 @@ class _Watchdog:
             self._handle = None
         self._calls.clear()
 
+    @property
+    def idle(self) -> bool:
+        """Whether no call is being watched."""
+        return not self._calls
+
     def expired(self, task: asyncio.Task[Any]) -> bool:
         """Whether the watchdog cancelled ``task`` (then it withdraws that cancellation)."""
         if task in self._expired:
@@ -883,7 +888,7 @@ class Communicator:
         if self._owns_transport:
             self._watchdog.stop()  # (its calls in flight fail as the transport closes)
             await self._transport.close()
-        elif not self._watchdog._calls:
+        elif self._watchdog.idle:
             self._watchdog.stop()
         # else: a group's calls in flight go on (nothing closes underneath) and keep their
         # timeout; the watchdog's timer stops once they ended

@@ -210,7 +210,12 @@ def read_buffers(path: str | os.PathLike[str]) -> dict[str, np.ndarray] | None:
     """The model buffers a checkpoint holds, by name (rank 0's at the save), or ``None``
     for a checkpoint written before buffers were saved."""
     root = Path(path)
-    meta = read_meta(root)
+    return _read_buffers(root, read_meta(root))
+
+
+def _read_buffers(root: Path, meta: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """``read_buffers`` of the checkpoint in ``root`` whose ``meta.json`` says ``meta`` (read
+    once, with the shards: a save landing between two reads could pair two saves)."""
     listed = meta.get("buffers")
     if listed is None:
         return None
@@ -258,7 +263,7 @@ async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     """
     meta, params, buffers = await asyncio.to_thread(read_full, path)
     _check_layout(meta, dist.layout.describe(), str(path))
-    model_buffers = await asyncio.to_thread(read_buffers, path)
+    model_buffers = await asyncio.to_thread(_read_buffers, Path(path), meta)
     opt = meta.get("optimizer")
     if dist.optimizer is not None and opt is not None:
         mine = type(dist.optimizer).__name__
@@ -292,7 +297,7 @@ def load_parameters(path: str | os.PathLike[str], model: Model | None = None
     returns them).
     """
     meta, flat, _ = read_full(path)
-    saved_buffers = read_buffers(path) if model is not None else None
+    saved_buffers = _read_buffers(Path(path), meta) if model is not None else None
     out = {}
     for p in meta["layout"]["params"]:
         a, b = p["range"]

@@ -312,15 +312,23 @@ class DistributedModel:
         if not self._buffer_specs or self.world_size == 1:
             return
         arrays = self._buffer_arrays()
+        await self._broadcast_buffers(arrays)
+        if self.rank != 0:
+            for array, value in zip(arrays, self._unpacked_buffers(), strict=True):
+                np.copyto(array, value)
+
+    async def _broadcast_buffers(self, arrays: list[np.ndarray]) -> None:
+        """Rank 0's ``arrays`` (its buffers) packed into ``_buffer_pack`` on every rank."""
         pack = self._buffer_pack
         if self.rank == 0:
             for array, (a, b) in zip(arrays, self._buffer_ranges, strict=True):
                 pack[a:b] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         await self.comm.broadcast(pack, root=0)
-        if self.rank != 0:
-            for spec, array, (a, b) in zip(self._buffer_specs, arrays, self._buffer_ranges,
-                                           strict=True):
-                np.copyto(array, pack[a:b].view(spec.dtype).reshape(spec.shape))
+
+    def _unpacked_buffers(self) -> list[np.ndarray]:
+        """Views of ``_buffer_pack`` as the buffers, in ``buffer_specs`` order."""
+        return [self._buffer_pack[a:b].view(spec.dtype).reshape(spec.shape)
+                for spec, (a, b) in zip(self._buffer_specs, self._buffer_ranges, strict=True)]
 
     async def _pass(self, work: Awaitable[float]) -> float:
         try:
@@ -547,23 +555,12 @@ class DistributedModel:
         """Rank 0's buffers on every rank, as new arrays (a collective: every rank calls it;
         this rank's own buffers are left as they are). What a checkpoint saves and elastic
         training commits."""
-        own = self.local_buffers(persistent_only=persistent_only)
-        if self.world_size == 1 or not own:
-            return own
-        names = sorted(own)
-        sizes = [own[n].nbytes for n in names]
-        pack = np.empty(sum(sizes), np.uint8)
-        if self.rank == 0:
-            pos = 0
-            for n, size in zip(names, sizes, strict=True):
-                pack[pos:pos + size] = own[n].reshape(-1).view(np.uint8)
-                pos += size
-        await self.comm.broadcast(pack, root=0)
-        out, pos = {}, 0
-        for n, size in zip(names, sizes, strict=True):
-            out[n] = pack[pos:pos + size].view(own[n].dtype).reshape(own[n].shape).copy()
-            pos += size
-        return out
+        if self.world_size == 1 or not self._buffer_specs:
+            return self.local_buffers(persistent_only=persistent_only)
+        await self._broadcast_buffers(self._buffer_arrays())
+        return {s.name: np.array(value, copy=True)
+                for s, value in zip(self._buffer_specs, self._unpacked_buffers(), strict=True)
+                if s.persistent or not persistent_only}
 
     def check_buffers(self, buffers: dict[str, np.ndarray], *, strict: bool = True
                       ) -> dict[str, BufferSpec]:
