@@ -102,7 +102,8 @@ def report() -> str:
         f"torch     {torch_v or f'not installed ({torch_why})'}",
         "backends:",
         "  memory  available",
-        "  tcp     available" + (" (uvloop)" if uvloop_v else " (asyncio event loop)"),
+        "  tcp     available" + (" (uvloop installed: run your main with uvloop.run)"
+                                 if uvloop_v else " (asyncio event loop)"),
         f"  nccl    {_nccl()}",
         f"  mpi     {_mpi()}",
     ]

@@ -286,8 +286,9 @@ async def _asynccoll(args: argparse.Namespace) -> None:
 
 
 def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:
-    """``asyncio.run(coro)``, on uvloop when it is installed (as ``asynccoll run`` does); the
-    benchmark scripts that run under the launcher use it too."""
+    """``asyncio.run(coro)``, on uvloop when it is installed (as ``asynccoll bench`` does); the
+    benchmark scripts that run under the launcher use it too (the launcher leaves a script's
+    event loop to the script)."""
     try:
         import uvloop
     except ImportError:
