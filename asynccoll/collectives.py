@@ -713,9 +713,10 @@ class Communicator:
     # -- point to point -------------------------------------------------------------------
 
     def _check_tag(self, tag: Any) -> int:
-        if (isinstance(tag, bool) or not isinstance(tag, int | np.integer)
-                or not 0 <= tag <= _MAX_TAG):
-            raise ValueError(f"tag must be an int in [0, 2**63), got {tag!r}")
+        if isinstance(tag, bool) or not isinstance(tag, int | np.integer):
+            raise TypeError(f"tag must be an int, got {tag!r}")
+        if not 0 <= tag <= _MAX_TAG:
+            raise ValueError(f"tag must be in [0, 2**63), got {tag!r}")
         return int(tag)
 
     async def send(self, array: np.ndarray, dst: int, tag: int = 0) -> None:

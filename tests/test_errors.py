@@ -153,7 +153,11 @@ BAD: list[Bad] = [
         min_ws=2),
     Bad("send-tag-huge", lambda c: c.send(np.ones(3), _right(c), tag=1 << 63), ValueError,
         min_ws=2),
-    Bad("send-tag-str", lambda c: c.send(np.ones(3), _right(c), tag="a"), ValueError, min_ws=2),
+    # a tag of the wrong type is a TypeError, as a rank of the wrong type is
+    Bad("send-tag-str", lambda c: c.send(np.ones(3), _right(c), tag="a"), TypeError, min_ws=2),
+    Bad("recv-tag-float", lambda c: c.recv(_right(c), tag=1.0), TypeError, min_ws=2),
+    Bad("send-tag-bool", lambda c: c.send(np.ones(3), _right(c), tag=True), TypeError,
+        min_ws=2),
     Bad("recv-tag-negative", lambda c: c.recv(_right(c), tag=-5), ValueError, min_ws=2),
     # ValueError: sequences of the wrong length, shapes, read-only buffers, groups
     Bad("scatter-too-many", lambda c: c.scatter([np.ones(2)] * (c.world_size + 1)), ValueError,
