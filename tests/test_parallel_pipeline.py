@@ -406,6 +406,50 @@ async def test_torch_stages_equal_plain_torch(backend: str, schedule: str) -> No
     check_against(got, want_losses, want)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+async def test_data_parallel_over_torch_stages(strategy: str, schedule: str) -> None:
+    """4 ranks as data=2 x pipe=2 of TorchStages under a DistributedModel == plain torch on
+    the whole batch. ZeRO-3 used to fail at construction: releasing a parameter (an empty
+    ``.data``) kept its ``.grad`` of the full shape, which torch refuses."""
+    torch = pytest.importorskip("torch")
+    from asynccoll.parallel.pipeline import TorchStage
+
+    data = batches(sizes=[5, 3])
+    net = torch_net(0)
+    ref = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    want_losses = []
+    for x, y in data:
+        ref.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        ref.step()
+        want_losses.append(float(loss.detach()))
+    want = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+
+    async def rank(comm: Communicator) -> tuple[int, list[float], dict[str, np.ndarray]]:
+        mesh = await Mesh.create(comm, data=2, pipe=2)
+        p = mesh.coords.pipe
+        with TorchStage(split_sequential(torch_net(0), 2)[p],
+                        torch.nn.functional.mse_loss if p == 1 else None,
+                        input_grad=p > 0) as stage:
+            pp = PipelineParallel(stage, mesh.pipe, micro_batches=2, schedule=schedule)
+            dist = DistributedModel(pp, mesh.data, SGD(lr=0.05, momentum=0.9),
+                                    strategy=strategy)
+            losses = [await dist.step(split_batch(b, mesh.coords.data, 2)) for b in data]
+            return mesh.coords.data, losses, await dist.full_parameters()
+
+    got = await run_world(rank, 4, "memory")
+    means = np.mean([losses for _, losses, _ in got], axis=0)   # each replica's twice
+    np.testing.assert_allclose(means, want_losses, rtol=1e-9)
+    params: dict[str, np.ndarray] = {}
+    for _, _, mine in got:
+        params.update(mine)
+    assert sorted(params) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 @pytest.mark.parametrize("wrapped", ["step", "zero2"])
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 async def test_frozen_torch_stage_parameters_stay_as_they_are(wrapped: str, opt: str) -> None:

@@ -612,9 +612,11 @@ class TorchStage(_BoundArrays, Stage):
     def _attach(self, name: str) -> None:
         torch, spec, p = self._torch, self._by_name[name], self._tparams[name]
         array, grad = self._params[name], self._grads[name]
-        p.data = torch.from_numpy(array) if array.shape == spec.shape else \
-            torch.empty(0, dtype=p.dtype)
-        p.grad = torch.from_numpy(grad) if grad.shape == spec.shape else None
+        full = array.shape == spec.shape
+        p.data = torch.from_numpy(array) if full else torch.empty(0, dtype=p.dtype)
+        # a released parameter (ZeRO-3 between passes) holds no gradient: torch refuses a
+        # .grad of another shape than .data; binding the parameter back attaches it again
+        p.grad = torch.from_numpy(grad) if full and grad.shape == spec.shape else None
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` in the stage's thread; if cancelled, wait for it to stop (it
