@@ -31,7 +31,9 @@ A process that finds generation G already closed without it asks for G+1 (unless
 then it waits as a spare for the next generation); the running members see the newer round at
 their next step boundary (``ElasticGroup.should_reform``) and move over together. A member
 whose collective fails (a peer died: ``PeerLostError``) opens the next
-generation itself.
+generation itself. A member that dies after it joined a generation and before that
+generation's world formed is noticed when the others' wait for its address times out; they
+then open the next generation, with a fresh ``timeout``, and form it without it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ from .tuning import Tuning
 log = logging.getLogger("asynccoll.elastic")
 
 PREFIX = "elastic"
+#: how many times one ``form`` starts its ``timeout`` again after a generation failed to form
+#: because a member in its roster never came (it died between joining and forming)
+MAX_FRESH = 3
 
 
 def _env_int(name: str) -> int | None:
@@ -269,6 +274,7 @@ class ElasticGroup:
             old, self.comm = self.comm, None
             await old.close()
         deadline = time.monotonic() + self.timeout
+        fresh = 0               # budgets renewed after a wait for a member that never came
         while True:
             g = await self.current_round()
             if self.generation is not None and g <= self.generation.number:
@@ -280,13 +286,21 @@ class ElasticGroup:
                     raise RendezvousError(f"no elastic generation formed within "
                                           f"{self.timeout:g} s")
                 continue
+            began = time.monotonic()
             try:
                 comm = await tcp_store_world(
                     self.client, f"{PREFIX}/{g}", gen.rank, gen.world_size,
                     timeout=self.timeout, token=self.token, job=f"{self.job}/{g}",
                     tuning=self.tuning)
             except Exception as exc:  # a member vanished while forming: try the next one
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline and now - began >= self.timeout / 2 and fresh < MAX_FRESH:
+                    # it waited for a member of the roster that died before its world
+                    # formed: that wait is how its death shows, and must not leave the
+                    # survivors without the time to form the next generation without it
+                    fresh += 1
+                    deadline = now + self.timeout
+                if now > deadline:
                     raise RendezvousError(f"no elastic generation formed within "
                                           f"{self.timeout:g} s: generation {g} failed to "
                                           f"form ({exc})") from exc

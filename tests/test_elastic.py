@@ -298,3 +298,43 @@ async def test_old_generations_leave_no_keys_behind() -> None:
             await asyncio.gather(*(g.close() for g in groups))
     finally:
         await server.close()
+
+
+@pytest.mark.timeout(60)
+async def test_member_dying_while_the_next_world_forms_costs_one_timeout_not_the_job() -> None:
+    """A member that joins the next generation (it is in the roster) and dies before its
+    world forms leaves the others waiting for its address. That wait times out, but the
+    survivors (still at least min_nodes) must then form the generation after it without the
+    dead member, not give up with RendezvousError because the wait used up their budget."""
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    rdv = f"127.0.0.1:{server.port}"
+    try:
+        a, b, c = [await ElasticGroup.connect(min_nodes=2, max_nodes=3, settle=0.2,
+                                              timeout=2.0, rendezvous=rdv) for _ in range(3)]
+        try:
+            await asyncio.gather(a.form(), b.form(), c.form())          # generation 0
+
+            async def dies_in_the_roster() -> None:
+                assert c.comm is not None
+                await c.comm.close()
+                c.comm = None
+                await c._open(1)
+                gen = await c._join(1, time.monotonic() + 2.0)
+                assert gen is not None and gen.world_size == 3           # in the roster
+                await c.client.close()                                   # and gone
+
+            began = time.monotonic()
+            ca, cb, _ = await asyncio.gather(a.form(), b.form(), dies_in_the_roster())
+            took = time.monotonic() - began
+            assert a.generation is not None and b.generation is not None
+            assert a.generation.number == b.generation.number == 2
+            assert (ca.world_size, cb.world_size) == (2, 2) and {ca.rank, cb.rank} == {0, 1}
+            x = [np.full(3, ca.rank + 1.0), np.full(3, cb.rank + 1.0)]
+            await asyncio.gather(ca.all_reduce(x[0]), cb.all_reduce(x[1]))
+            assert all((v == 3.0).all() for v in x)                      # the world works
+            assert took < 2 * 2.0 + 3.0, took
+        finally:
+            await asyncio.gather(a.close(), b.close(), c.close())
+    finally:
+        await server.close()
