@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import run_world
 
 from asynccoll import Communicator
-from asynccoll.parallel import MLP, SGD, Adam, Optimizer, train_locally
+from asynccoll.parallel import (
+    MLP,
+    SGD,
+    Adam,
+    Optimizer,
+    load_checkpoint,
+    save_checkpoint,
+    train_locally,
+)
 from asynccoll.parallel.hybrid import Hybrid, TensorParallelStage
 
 SIZES = [6, 9, 7, 5, 8, 3]      # 5 layers: uneven stages and uneven tensor splits
@@ -193,3 +202,52 @@ async def test_a_failing_replica_fails_every_rank_at_once(data: int, pipe: int,
                         ("ValueError", "CollectiveError")), got
         assert elapsed < 5, got
     assert any(name == "ValueError" for name, _ in got), got
+
+
+async def test_checkpoints_of_the_parts_reshard_and_never_mix(tmp_path: Path) -> None:
+    """Every part of a split model (stage, tensor shard) checkpoints its data group into a
+    directory of its own, which resumes on fewer replicas step for step. All parts saving
+    into one directory used to replace each other's files (FileNotFoundError at the save or
+    the load, or one part's parameters loaded into every part: silent garbage where the
+    shards have the same shapes); it is a ValueError on every rank now, and a part that
+    loads another part's directory is one too."""
+    sizes = [6, 8, 8, 8, 3]              # even splits: every tensor shard has the same shapes
+    rng = np.random.default_rng(8)
+    data = [(rng.standard_normal((8, 6)), rng.standard_normal((8, 3))) for _ in range(4)]
+
+    def part(hybrid: Hybrid) -> Path:
+        return tmp_path / f"p{hybrid.mesh.coords.pipe}-t{hybrid.mesh.coords.tensor}"
+
+    async def train(comm: Communicator) -> dict[str, np.ndarray]:
+        hybrid = await Hybrid.create(comm, MLP(sizes, seed=2), data=2, pipe=2, tensor=2,
+                                     optimizer=Adam(lr=0.01), strategy="zero1")
+        for batch in data[:2]:
+            await hybrid.step(batch)
+        with pytest.raises(ValueError, match="a directory of its own"):
+            await save_checkpoint(hybrid.dist, tmp_path / "shared")
+        await save_checkpoint(hybrid.dist, part(hybrid))
+        for batch in data[2:]:
+            await hybrid.step(batch)
+        return await hybrid.full_parameters()
+
+    want = (await run_world(train, 8, "memory"))[0]
+
+    async def resume(comm: Communicator, swap: bool) -> dict[str, np.ndarray]:
+        hybrid = await Hybrid.create(comm, MLP(sizes, seed=7), data=1, pipe=2, tensor=2,
+                                     optimizer=Adam(lr=0.01), strategy="ddp")
+        if swap:                         # tensor rank 0 loads rank 1's directory and back
+            other = part(hybrid).with_name(part(hybrid).name[:-1]
+                                           + str(1 - hybrid.mesh.coords.tensor))
+            with pytest.raises(ValueError, match="model-parallel part"):
+                await load_checkpoint(hybrid.dist, other)
+        await load_checkpoint(hybrid.dist, part(hybrid))
+        for batch in data[2:]:
+            await hybrid.step(batch)
+        return await hybrid.full_parameters()
+
+    for swap in (False, True):
+        for got in await run_world(lambda c, s=swap: resume(c, s), 4, "memory"):
+            assert sorted(got) == sorted(want)
+            for name, value in got.items():
+                np.testing.assert_allclose(value, want[name], rtol=1e-9, atol=1e-12,
+                                           err_msg=name)

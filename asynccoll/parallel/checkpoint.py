@@ -25,6 +25,12 @@ strategy loads into M ranks with any strategy, or into a plain model in one proc
 shared file system). Error-feedback residuals of gradient compression are not saved: they
 restart from zero.
 
+A model split over ranks (``Model.model_parallel_groups``: pipeline stages, tensor shards,
+``Hybrid``) has one ``DistributedModel`` per part, over that part's data group, and every part
+saves into a directory of its own (parts that name the same one get a ``ValueError``);
+``meta.json`` records the part (``model_parallel``: ``[rank, size]`` in each group), and a part
+loads only its own directory, with any number of data ranks.
+
 Loading copies the saved buffers into every rank's model (names and shapes must match the
 model's persistent buffers). A checkpoint written before buffers were saved (no ``buffers``
 in ``meta.json``) still loads: the model's buffers are then left as they are, and a warning
@@ -45,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ops import ReduceOp
 from .data_parallel import DistributedModel
 from .model import Model
 
@@ -116,8 +123,13 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     A collective: every rank of ``dist.comm`` calls it. Returns once every shard and the
     metadata are on disk. Until then ``path`` holds the checkpoint saved there before, if
     any, whole: a save that fails or is cut short on any rank leaves it loadable.
+
+    Raises:
+        ValueError: the model is split over ranks (``Model.model_parallel_groups``) and
+            another part saves into ``path`` too (on every rank, before anything is written).
     """
     root = Path(path)
+    part = await _own_directory(dist, root)
     await dist.start()                  # before the first pass, rank 0's parameters win
     params, buffers, step = dist.shard_state()
     arrays = {"params": params, **{f"opt.{k}": v for k, v in buffers.items()}}
@@ -135,6 +147,8 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
             "buffers": [{"name": n, "shape": list(v.shape), "dtype": v.dtype.str}
                         for n, v in model_buffers.items()],
         }
+        if part:
+            meta["model_parallel"] = part
 
     # this save's files get names of their own; meta.json, replaced once all are written,
     # says which files are the checkpoint
@@ -160,6 +174,35 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     if meta is not None:
         await asyncio.to_thread(commit)
     await dist.comm.barrier()
+
+
+def _model_part(model: Model) -> list[list[int]]:
+    """Which part of a model split over ranks this rank holds: ``[rank, size]`` in each of
+    its ``model_parallel_groups`` (innermost first); empty for a model whole on every rank."""
+    return [[g.comm.rank, g.comm.world_size] for g in model.model_parallel_groups()]
+
+
+async def _own_directory(dist: DistributedModel, root: Path) -> list[list[int]]:
+    """This rank's ``_model_part``, once sure that no other part of the model saves into
+    ``root`` (a collective over the model-parallel groups, then ``dist.comm``)."""
+    part = _model_part(dist.model)
+    if not part:
+        return part
+    where = await asyncio.to_thread(os.path.realpath, root)
+    clash = None
+    for g in dist.model.model_parallel_groups():
+        others = [r for r, p in enumerate(await g.comm.all_gather_object(where))
+                  if p == where and r != g.comm.rank]
+        if others and clash is None:
+            clash = others
+    flag = np.array([clash is not None])
+    await dist.comm.all_reduce(flag, op=ReduceOp.BOR)   # every rank of the save agrees
+    if flag[0]:
+        who = f"its ranks {clash} in a model-parallel group" if clash else "other parts"
+        raise ValueError(f"{root}: the model is split over ranks (pipeline stages, tensor "
+                         f"shards) and {who} save into this directory too; every part needs "
+                         f"a directory of its own (their files would replace each other's)")
+    return part
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -258,10 +301,16 @@ async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     asynccoll) leaves them as they are.
 
     Raises:
-        ValueError: the checkpoint's parameters, optimizer or buffers do not fit ``dist``
-            (nothing of the model is changed then).
+        ValueError: the checkpoint's parameters, optimizer or buffers do not fit ``dist``,
+            or it holds another part of a model split over ranks (nothing of the model is
+            changed then).
     """
     meta, params, buffers = await asyncio.to_thread(read_full, path)
+    saved_part, part = meta.get("model_parallel"), _model_part(dist.model)
+    if saved_part is not None and saved_part != part:
+        raise ValueError(f"{path}: saved by the model-parallel part {saved_part} ([rank, size] "
+                         f"in each group), this rank holds the part {part}: load every part "
+                         f"from the directory it was saved into")
     _check_layout(meta, dist.layout.describe(), str(path))
     model_buffers = await asyncio.to_thread(_read_buffers, Path(path), meta)
     opt = meta.get("optimizer")
