@@ -29,11 +29,14 @@ from asynccoll.parallel import (
 )
 from asynccoll.parallel.checkpoint import read_buffers
 from asynccoll.parallel.elastic import ElasticTrainer
+from asynccoll.parallel.mesh import Mesh
+from asynccoll.parallel.pipeline import SCHEDULES, PipelineParallel, split_sequential
 from asynccoll.rendezvous import RendezvousServer
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from asynccoll.parallel.pipeline import TorchStage  # noqa: E402
 from asynccoll.parallel.torch_model import TorchModel  # noqa: E402
 
 LR, MOMENTUM = 0.1, 0.9
@@ -432,3 +435,193 @@ async def test_elastic_join_restores_the_committed_buffers() -> None:
     assert step >= join_after
     assert int(bufs["1.num_batches_tracked"]) == step       # rank 0's forwards so far
     assert not np.allclose(bufs["1.running_mean"], 0.0)      # not a fresh BatchNorm's
+
+
+# ------------------------------------------------------------------ pipeline stages' buffers
+
+MICRO = 2           # micro-batches of a pipeline pass
+PIPE_CUTS = [4]     # stage 0: Linear, BatchNorm1d, Count, Tanh; stage 1: Linear, BatchNorm1d...
+
+
+def pipe_net(seed: int = 0) -> Any:
+    """Two BatchNorms, one per stage once cut at PIPE_CUTS; float64."""
+    module = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), Count(), nn.Tanh(),
+                           nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Tanh(),
+                           nn.Linear(5, 3)).double()
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.from_numpy(rng.uniform(-0.7, 0.7, size=tuple(p.shape))))
+    return module
+
+
+def pipe_reference(data: int, steps: int, *, broadcast: bool) -> list[Any]:
+    """One process, plain torch, the network unsplit: a copy per data replica, each running
+    its share of every batch as MICRO micro-batches in turn (loss weighted by their sizes),
+    the averaged gradient applied to all; with ``broadcast``, copy 0's buffers copied into
+    the others before every step. Returns the copies."""
+    copies = [pipe_net() for _ in range(data)]
+    opts = [torch.optim.SGD(c.parameters(), lr=LR, momentum=MOMENTUM) for c in copies]
+    for batch in batches(steps):
+        if broadcast:
+            for c in copies[1:]:
+                for (_, mine), (_, root) in zip(c.named_buffers(), copies[0].named_buffers(),
+                                                strict=True):
+                    mine.copy_(root)
+        for r, c in enumerate(copies):
+            x, y = split_batch(batch, r, data)
+            for xm, ym in zip(np.array_split(x, MICRO), np.array_split(y, MICRO), strict=True):
+                loss = nn.MSELoss()(c(torch.from_numpy(xm)), torch.from_numpy(ym))
+                (loss * len(xm) / len(x)).backward()
+        for params in zip(*(c.parameters() for c in copies), strict=True):
+            mean = sum(p.grad for p in params) / data
+            for p in params:
+                p.grad = mean.clone()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return copies
+
+
+async def pipe_train(comm: Communicator, *, data: int, strategy: str | None, steps: int,
+                     schedule: str = "1f1b", broadcast: bool = True, seed: int = 0
+                     ) -> tuple[Mesh, TorchStage, PipelineParallel, DistributedModel | None]:
+    """``data x 2`` ranks: the network cut in two TorchStages, under a DistributedModel over
+    the data group (``strategy``), or stepped by the pipeline alone (``None``)."""
+    mesh = await Mesh.create(comm, data=data, pipe=2)
+    p = mesh.coords.pipe
+    part = split_sequential(pipe_net(seed), cuts=PIPE_CUTS)[p]
+    stage = TorchStage(part, nn.MSELoss() if p == 1 else None, input_grad=p > 0)
+    pp = PipelineParallel(stage, mesh.pipe, micro_batches=MICRO, schedule=schedule)
+    dist = None if strategy is None else DistributedModel(
+        pp, mesh.data, SGD(lr=LR, momentum=MOMENTUM), strategy=strategy,
+        broadcast_buffers=broadcast)
+    opt = SGD(lr=LR, momentum=MOMENTUM)
+    for batch in batches(steps):
+        if dist is None:
+            await pp.step(batch, opt)
+        else:
+            await dist.step(split_batch(batch, mesh.coords.data, data))
+    return mesh, stage, pp, dist
+
+
+@pytest.mark.parametrize(("data", "strategy", "schedule", "broadcast"), [
+    (1, None, "1f1b", True), (2, "ddp", "1f1b", True), (2, "zero3", "gpipe", True),
+    (2, "zero2", "1f1b", False)])
+async def test_pipeline_stage_buffers_follow_the_ddp_rule(
+        data: int, strategy: str | None, schedule: str, broadcast: bool) -> None:
+    """The buffers of TorchStages (each updated once per micro-batch) are those of the unsplit
+    network run on the micro-batches in turn; under a DistributedModel over the data group,
+    replica 0's reach the other replicas of the same stage as under torch's DDP (they used
+    to drift apart: every replica kept its own)."""
+    steps = 3
+    assert schedule in SCHEDULES
+
+    async def rank(comm: Communicator) -> tuple[int, dict[str, np.ndarray],
+                                                dict[str, np.ndarray], dict[str, np.ndarray]]:
+        mesh, stage, pp, dist = await pipe_train(comm, data=data, strategy=strategy,
+                                                 steps=steps, schedule=schedule,
+                                                 broadcast=broadcast)
+        with stage:
+            trained = buffers_of(stage.module)
+            params = {k: v.copy() for k, v in pp.parameters().items()} if dist is None \
+                else await dist.full_parameters()
+            stage.module.eval()
+            batch = batches(1, seed=9)[0]
+            await (pp.loss(batch) if dist is None else dist.loss(batch))
+            return mesh.coords.data, trained, params, buffers_of(stage.module)
+
+    got = await run_world(rank, 2 * data, "memory")
+    copies = pipe_reference(data, steps, broadcast=broadcast)
+    for d, trained, params, _ in got:
+        want = buffers_of(copies[d])
+        assert_buffers_equal(trained, {n: want[n] for n in trained})
+        want_params = {n: p.detach().numpy() for n, p in copies[d].named_parameters()}
+        for name, value in params.items():
+            np.testing.assert_allclose(value, want_params[name], rtol=1e-9, atol=1e-12)
+    stage0 = {d: (trained, evaluated) for d, trained, _, evaluated in got if "1.running_mean"
+              in trained}
+    assert int(stage0[0][0]["1.num_batches_tracked"]) == steps * MICRO
+    assert float(stage0[0][0]["2.seen"]) == steps * BATCH / data
+    if data > 1:
+        # the shares differ: after the steps, replica 1's statistics are not replica 0's...
+        assert not np.allclose(stage0[1][0]["1.running_mean"], stage0[0][0]["1.running_mean"])
+        # ...and the next pass starts from replica 0's, or from each replica's own
+        if broadcast:
+            for name, value in stage0[0][1].items():
+                np.testing.assert_array_equal(stage0[1][1][name], value, err_msg=name)
+        else:
+            assert not np.allclose(stage0[1][1]["1.running_mean"],
+                                   stage0[0][1]["1.running_mean"])
+
+
+async def test_buffer_specs_of_torch_stages() -> None:
+    """A TorchStage's buffers are its slice's, named as in the whole network; the pipeline
+    over it has the same; a stage without buffers has none."""
+    parts = split_sequential(pipe_net(), cuts=PIPE_CUTS)
+    with TorchStage(parts[0]) as first, TorchStage(parts[1], nn.MSELoss()) as last:
+
+        async def one(comm: Communicator) -> list[str]:
+            pp = PipelineParallel(last, comm, micro_batches=1)
+            assert pp.buffers().keys() == last.buffers().keys()
+            return [s.name for s in pp.buffer_specs()]
+
+        assert await run_world(one, 1, "memory") == [[s.name for s in last.buffer_specs()]]
+        specs = {s.name: s for s in first.buffer_specs()}
+        assert sorted(specs) == ["1.num_batches_tracked", "1.running_mean", "1.running_var",
+                                 "2.seen"]
+        assert not specs["2.seen"].persistent and specs["1.running_var"].persistent
+        assert [s.name for s in last.buffer_specs()] == [
+            "5.running_mean", "5.running_var", "5.num_batches_tracked"]
+        first.buffers()["1.running_var"][:] = 2.0          # views: the module changes
+        assert float(parts[0][1].running_var.sum()) == 12.0
+    with TorchStage(nn.Sequential(nn.Linear(2, 2))) as plain:
+        assert plain.buffer_specs() == [] and plain.buffers() == {}
+
+
+async def test_pipeline_checkpoint_round_trip_restores_stage_buffers(tmp_path: Path) -> None:
+    """A checkpoint per stage (save_checkpoint of the DistributedModel over the pipeline)
+    holds the stage's persistent buffers, replica 0's; it loads into a pipeline of another
+    shape and strategy, and the stages' checkpoints together into the unsplit network (they
+    used to hold no buffers: a resumed run restarted BatchNorm's statistics)."""
+    steps = 3
+
+    async def save(comm: Communicator) -> tuple[int, dict[str, np.ndarray]]:
+        mesh, stage, _, dist = await pipe_train(comm, data=2, strategy="zero2", steps=steps,
+                                                broadcast=False)
+        assert dist is not None
+        with stage:
+            await save_checkpoint(dist, tmp_path / f"stage{mesh.coords.pipe}")
+            return mesh.coords.data, buffers_of(stage.module)
+
+    replica0 = {n: v for d, bufs in await run_world(save, 4, "memory") if d == 0
+                for n, v in bufs.items()}
+    assert sorted(read_buffers(tmp_path / "stage0") or {}) == [
+        "1.num_batches_tracked", "1.running_mean", "1.running_var"]  # not the counter
+    assert sorted(read_buffers(tmp_path / "stage1") or {}) == [
+        "5.num_batches_tracked", "5.running_mean", "5.running_var"]
+
+    async def load(comm: Communicator) -> dict[str, np.ndarray]:
+        mesh, stage, _, dist = await pipe_train(comm, data=1, strategy="ddp", steps=0,
+                                                 seed=7)
+        assert dist is not None
+        with stage:
+            await load_checkpoint(dist, tmp_path / f"stage{mesh.coords.pipe}")
+            return buffers_of(stage.module)
+
+    for bufs in await run_world(load, 2, "memory"):
+        for name, value in bufs.items():
+            if name != "2.seen":
+                np.testing.assert_array_equal(value, replica0[name], err_msg=name)
+
+    # one process, no communicator: both stages' checkpoints into the unsplit network
+    want = pipe_reference(2, steps, broadcast=False)[0].eval()
+    plain = pipe_net(seed=7)
+    model = TorchModel(plain, nn.MSELoss())
+    for p in (0, 1):
+        load_parameters(tmp_path / f"stage{p}", model)
+    model.close()
+    plain.eval()
+    x = torch.from_numpy(batches(1, seed=5)[0][0])
+    with torch.no_grad():
+        np.testing.assert_allclose(plain(x).numpy(), want(x).numpy(), rtol=1e-9, atol=1e-12)

@@ -66,7 +66,7 @@ from .clip import (
 )
 from .layout import FlatLayout
 from .mlp import MLP, _BoundArrays, _LayerArrays
-from .model import Hooks, Model, ModelParallelGroup, NoHooks, ParamSpec
+from .model import BufferSpec, Hooks, Model, ModelParallelGroup, NoHooks, ParamSpec
 from .optim import Optimizer, step_keeping
 
 if TYPE_CHECKING:
@@ -316,6 +316,15 @@ class Stage(abc.ABC):
     def num_units(self) -> int:
         return max(s.unit for s in self.param_specs()) + 1
 
+    def buffer_specs(self) -> list[BufferSpec]:
+        """The stage's buffers (as ``Model.buffer_specs``); none by default."""
+        return []
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The arrays the stage keeps its buffers in (as ``Model.buffers``: no copies,
+        writable, read afresh for every use); none by default."""
+        return {}
+
     @property
     def computes_loss(self) -> bool:
         """Whether this is a last stage (it implements ``loss_grad``)."""
@@ -469,7 +478,7 @@ class TorchStage(_BoundArrays, Stage):
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[Any, Any], Any] | None = None,
                  *, input_grad: bool = True) -> None:
-        from .torch_model import import_torch
+        from .torch_model import import_torch, module_buffer_specs
 
         torch = import_torch()
         self._torch = torch
@@ -492,6 +501,7 @@ class TorchStage(_BoundArrays, Stage):
         if len(specs) != len(names):
             raise ValueError("every parameter must belong to a child of the module")
         self._own(specs, {name: p.detach().numpy() for name, p in self._tparams.items()})
+        self._buffer_specs = module_buffer_specs(module, "TorchStage")
         for name in self._by_name:
             self._attach(name)
         self._saved: _Saved[tuple[Any, Any]] = _Saved()
@@ -508,6 +518,19 @@ class TorchStage(_BoundArrays, Stage):
         return [s if s.trainable == self._tparams[s.name].requires_grad
                 else dataclasses.replace(s, trainable=bool(self._tparams[s.name].requires_grad))
                 for s in self._specs]
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        """The module's buffers (BatchNorm's running statistics...), in
+        ``module.named_buffers()`` order, named as there (``"1.running_mean"`` for a slice
+        of ``split_sequential``), as a ``TorchModel``'s."""
+        return list(self._buffer_specs)
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """NumPy views (no copies) of the buffer tensors the module holds now (``RuntimeError``
+        if one was removed or changed shape or dtype since the stage was made)."""
+        from .torch_model import module_buffers
+
+        return module_buffers(self.module, self._buffer_specs)
 
     def model_parallel_groups(self) -> list[ModelParallelGroup]:
         """The tensor group of the module's ``ColumnParallelLinear``/``RowParallelLinear``
@@ -732,6 +755,15 @@ class PipelineParallel(Model):
 
     def parameters(self) -> dict[str, np.ndarray]:
         return self.stage.parameters()
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        """The stage's buffers (a ``TorchStage``'s BatchNorm statistics...): a data-parallel
+        wrapper over the pipeline keeps them as a ``TorchModel``'s (rank 0's reach the other
+        replicas of this stage), and its checkpoints save them."""
+        return self.stage.buffer_specs()
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        return self.stage.buffers()
 
     def model_parallel_groups(self) -> list[ModelParallelGroup]:
         """The stage's own groups (a tensor-parallel stage's), then the pipe group: the

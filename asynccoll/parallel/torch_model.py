@@ -74,6 +74,46 @@ def import_torch() -> Any:
     return torch
 
 
+def module_buffer_specs(module: Any, owner: str) -> list[BufferSpec]:
+    """The ``BufferSpec`` s of a torch module's buffers, in ``module.named_buffers()`` order
+    (``persistent=False`` for those not in ``state_dict()``). ``owner`` names the wrapper in
+    the errors: ``ValueError`` for a buffer not on the CPU, ``TypeError`` for a dtype NumPy
+    lacks (bfloat16)."""
+    torch = import_torch()
+    persistent = set(module.state_dict(keep_vars=True))
+    specs: list[BufferSpec] = []
+    for name, buf in module.named_buffers():
+        if buf.device.type != "cpu":
+            raise ValueError(f"buffer {name!r} is on {buf.device}; {owner} needs CPU tensors")
+        try:
+            dtype = np.dtype(torch.empty(0, dtype=buf.dtype).numpy().dtype)
+        except TypeError:
+            raise TypeError(f"buffer {name!r} has dtype {buf.dtype}, which NumPy does not "
+                            f"have") from None
+        specs.append(BufferSpec(name=name, shape=tuple(buf.shape), dtype=dtype,
+                                persistent=name in persistent))
+    return specs
+
+
+def module_buffers(module: Any, specs: Sequence[BufferSpec]) -> dict[str, np.ndarray]:
+    """NumPy views (no copies) of the buffer tensors ``module`` holds now, as ``specs`` (from
+    ``module_buffer_specs``) list them. ``RuntimeError`` if one was removed or replaced by one
+    of another shape, dtype or device."""
+    current = dict(module.named_buffers())
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        buf = current.get(spec.name)
+        if buf is None or tuple(buf.shape) != spec.shape or buf.device.type != "cpu":
+            raise RuntimeError(f"buffer {spec.name!r} is no longer a CPU tensor of shape "
+                               f"{spec.shape}: buffers must keep their shape and dtype")
+        array = buf.detach().numpy()
+        if array.dtype != spec.dtype:
+            raise RuntimeError(f"buffer {spec.name!r} changed dtype from {spec.dtype} to "
+                               f"{array.dtype}")
+        out[spec.name] = array
+    return out
+
+
 class _PassCancelled(Exception):
     """Raised in the worker when the coroutine awaiting its pass was cancelled."""
 
@@ -313,15 +353,7 @@ class TorchModel(_BoundArrays, Model):
             specs.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=dtype,
                                    unit=owner[id(p)], trainable=bool(p.requires_grad)))
         specs.sort(key=lambda s: s.unit)                # stable: module order within a unit
-        persistent = set(module.state_dict(keep_vars=True))
-        self._buffer_specs: list[BufferSpec] = []
-        for name, buf in module.named_buffers():
-            if buf.device.type != "cpu":
-                raise ValueError(f"buffer {name!r} is on {buf.device}; TorchModel needs CPU "
-                                 f"tensors")
-            self._buffer_specs.append(BufferSpec(
-                name=name, shape=tuple(buf.shape), dtype=self._numpy_dtype(buf, "buffer", name),
-                persistent=name in persistent))
+        self._buffer_specs = module_buffer_specs(module, "TorchModel")
         self._tparams: dict[str, Any] = {s.name: named[s.name] for s in specs}
         self._own(specs, {s.name: named[s.name].detach().numpy() for s in specs})
         self._bind_lock = threading.Lock()
@@ -376,19 +408,7 @@ class TorchModel(_BoundArrays, Model):
         Raises ``RuntimeError`` if a buffer was removed or replaced by one of another shape
         or dtype since the model was made.
         """
-        current = {n: b for n, b in self.module.named_buffers()}
-        out: dict[str, np.ndarray] = {}
-        for spec in self._buffer_specs:
-            buf = current.get(spec.name)
-            if buf is None or tuple(buf.shape) != spec.shape or buf.device.type != "cpu":
-                raise RuntimeError(f"buffer {spec.name!r} is no longer a CPU tensor of shape "
-                                   f"{spec.shape}: buffers must keep their shape and dtype")
-            array = buf.detach().numpy()
-            if array.dtype != spec.dtype:
-                raise RuntimeError(f"buffer {spec.name!r} changed dtype from {spec.dtype} to "
-                                   f"{array.dtype}")
-            out[spec.name] = array
-        return out
+        return module_buffers(self.module, self._buffer_specs)
 
     def bind(self, params: Mapping[str, np.ndarray] | None = None,
              grads: Mapping[str, np.ndarray] | None = None) -> None:
