@@ -300,6 +300,59 @@ async def test_a_save_cut_short_leaves_the_previous_checkpoint_whole(
     assert read_meta(tmp_path)["step"] == 1
 
 
+@pytest.mark.parametrize("failing", ["shard-00001", "meta.json"])
+async def test_a_save_that_fails_on_one_rank_fails_on_every_rank(
+        failing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that cannot write its files (rank 1's shard, rank 0's meta.json: a full disk)
+    raises its error and every other rank an OSError naming it, at once; the checkpoint saved
+    before stays whole and the ranks go on training and saving together. The other ranks used
+    to wait in a barrier for it: a CollectiveTimeout, or a 'collective mismatch' CollectiveError
+    (barrier against the next step's all_reduce) that broke the world for the caller who had
+    caught the failed rank's OSError to carry on."""
+    import asynccoll.parallel.checkpoint as ckpt
+
+    real = ckpt._write_atomic
+    blocked = {"on": False}
+
+    def full_disk(target: Path, write: Any) -> None:
+        if blocked["on"] and target.name.startswith(failing):
+            raise OSError(28, "No space left on device")
+        return real(target, write)
+
+    monkeypatch.setattr(ckpt, "_write_atomic", full_disk)
+    culprit = 1 if failing.startswith("shard") else 0
+
+    async def rank(comm: Communicator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        dist = as_distributed(MLP(SIZES, seed=3), comm, Adam(lr=0.01), strategy="zero2")
+        data = batches(3)
+        await dist.step(split_batch(data[0], comm.rank, comm.world_size))
+        await save_checkpoint(dist, tmp_path)
+        first = await dist.full_parameters()
+        await dist.step(split_batch(data[1], comm.rank, comm.world_size))
+        await comm.barrier()
+        blocked["on"] = True
+        with pytest.raises(OSError) as info:
+            await save_checkpoint(dist, tmp_path)
+        await comm.barrier()
+        blocked["on"] = False
+        if comm.rank == culprit:
+            assert info.value.errno == 28
+        else:
+            assert f"rank {culprit} could not" in str(info.value)
+            assert "No space left" in str(info.value)
+        kept = load_parameters(tmp_path)
+        await dist.step(split_batch(data[2], comm.rank, comm.world_size))
+        await save_checkpoint(dist, tmp_path)
+        return {k: kept[k] - first[k] for k in first}, await dist.full_parameters()
+
+    results = await run_world(rank, 2, "tcp")
+    for diff, final in results:
+        assert all(not d.any() for d in diff.values()), "the earlier checkpoint changed"
+        for name, value in load_parameters(tmp_path).items():
+            np.testing.assert_array_equal(value, final[name], err_msg=name)
+    assert read_meta(tmp_path)["step"] == 3
+
+
 def _names(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
 

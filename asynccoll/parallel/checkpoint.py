@@ -46,12 +46,15 @@ import logging
 import os
 import re
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..collectives import Communicator
 from ..ops import ReduceOp
+from ._failure import break_comm
 from .data_parallel import DistributedModel
 from .model import Model
 
@@ -127,6 +130,9 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     Raises:
         ValueError: the model is split over ranks (``Model.model_parallel_groups``) and
             another part saves into ``path`` too (on every rank, before anything is written).
+        OSError: a rank could not write its files (a full disk...): that rank raises its own
+            error, every other rank an ``OSError`` naming it, and ``path`` keeps the
+            checkpoint saved there before; the ranks may go on training together.
     """
     root = Path(path)
     part = await _own_directory(dist, root)
@@ -169,11 +175,37 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
         _sync_dir(root)
         _remove_other_saves(root, tag)
 
-    await asyncio.to_thread(write)      # the event loop keeps serving the other ranks
-    await dist.comm.barrier()           # every rank's files are on disk
-    if meta is not None:
-        await asyncio.to_thread(commit)
-    await dist.comm.barrier()
+    # each phase runs in a thread (the event loop keeps serving the other ranks), then every
+    # rank learns whether every rank's succeeded: a rank that could not write its files (a full
+    # disk) raises, the others too, and none commits nor waits for it
+    await _on_every_rank(dist.comm, root, "write its files", write)
+    await _on_every_rank(dist.comm, root, "write meta.json", commit if meta is not None else None)
+
+
+async def _on_every_rank(comm: Communicator, root: Path, what: str,
+                         work: Callable[[], None] | None) -> None:
+    """Run ``work`` (blocking, in a thread; ``None``: nothing to do here) on this rank, then
+    agree with every rank of ``comm`` on the outcome (a collective, which also serves as a
+    barrier). If ``work`` failed here, its exception is raised; if it failed on another rank,
+    an ``OSError`` naming that rank and its error. A cancelled rank breaks ``comm``, so that
+    the others do not wait for its answer until the timeout."""
+    error: Exception | None = None
+    try:
+        if work is not None:
+            await asyncio.to_thread(work)
+    except asyncio.CancelledError:
+        await break_comm(comm)
+        raise
+    except Exception as exc:
+        error = exc
+    reports = await comm.all_gather_object(
+        None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    for rank, report in enumerate(reports):
+        if report is not None:
+            raise OSError(f"{root}: rank {rank} could not {what} ({report}); the checkpoint "
+                          f"saved there before, if any, is left whole")
 
 
 def _model_part(model: Model) -> list[list[int]]:
