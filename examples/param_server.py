@@ -1,15 +1,17 @@
 """Asynchronous SGD with a parameter server: rank 0 holds the parameters, the other ranks
 train at their own pace, each on its own batches, without waiting for one another.
 
-    asynccoll run -n 4 examples/param_server.py           # 1 server + 3 workers over TCP
-    python examples/param_server.py --local 4             # the same as coroutines of one process
-    asynccoll run -n 5 examples/param_server.py --servers 2 --max-staleness 2 --stale reject
+    asynccoll run --elastic -n 4 examples/param_server.py  # 1 server + 3 workers over TCP
+    python examples/param_server.py --local 4              # the same in one process
+    asynccoll run --elastic -n 5 examples/param_server.py --servers 2 --max-staleness 2 \
+        --stale reject
 
 Each worker pulls the current parameters, computes a gradient on its batch and pushes it;
 the server applies every push as it arrives. A push computed on parameters more than
 ``--max-staleness`` versions old is scaled down (``--stale scale``) or dropped
 (``--stale reject``). The world runs with ``peer_loss="isolate"``, so a worker that dies is
-dropped by the server while the others go on (try ``--die-after 20`` on the last worker).
+dropped by the server while the others go on (try ``--die-after 20``: the last worker kills
+itself). ``--elastic`` keeps the launcher from stopping every rank when one fails.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 
 import numpy as np
 
@@ -59,7 +62,7 @@ async def train(comm: asynccoll.Communicator, args: argparse.Namespace) -> None:
                   f"staleness {opt.last_push[0].staleness}", flush=True)
         if args.die_after and comm.rank == last and step + 1 == args.die_after:
             print(f"worker {comm.rank}: dying without a word", flush=True)
-            os._exit(0)
+            os.kill(os.getpid(), signal.SIGKILL)      # a crash: no goodbye, a failed exit
     await opt.parameters()                          # the latest model, into `model`
     final = await model.loss(test)
     print(f"worker {comm.rank}: test loss after {args.steps} steps {final:.5f}", flush=True)
@@ -76,7 +79,7 @@ async def main() -> None:
                         help="staleness bound; -1 applies every push (Hogwild)")
     parser.add_argument("--stale", choices=["scale", "reject"], default="scale")
     parser.add_argument("--die-after", type=int, default=0, metavar="K",
-                        help="the last worker exits abruptly after K steps (processes only)")
+                        help="the last worker kills itself after K steps (processes only)")
     args = parser.parse_args()
     if args.local:
         await asynccoll.run_local(lambda c: train(c, args), args.local)

@@ -502,6 +502,24 @@ def test_example_runs_under_the_launcher() -> None:
     assert accepted + scaled + rejected == 160 and version == accepted + scaled, out
 
 
+@pytest.mark.timeout(120)
+def test_a_crashed_worker_leaves_the_job_running_under_the_documented_command() -> None:
+    """The launch async_training.md gives (``asynccoll run --elastic``) with a worker that
+    really crashes (``--die-after``: SIGKILL, a non-zero exit): the launcher must not stop
+    the server and the other workers, which finish; a plain ``asynccoll run`` stops them all
+    at a rank's first failure."""
+    res = subprocess.run([sys.executable, "-m", "asynccoll", "run", "--elastic", "-n", "4",
+                          "examples/param_server.py", "--steps", "60", "--die-after", "10"],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                         timeout=100, check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "rank 3 exited with code -9; the others go on" in out, out
+    finals = re.findall(r"worker (\d): test loss after 60 steps", out)
+    assert sorted(finals) == ["1", "2"], out
+    assert re.search(r"server 0: version \d+, .*lost \[3\]", out), out
+
+
 async def test_rank_that_is_neither_gets_a_clear_error() -> None:
     async def rank(comm: Communicator) -> str:
         opt = AsyncSGD(MLP(SIZES), comm, optimizer=SGD(lr=0.1), workers=(1,))
