@@ -450,6 +450,34 @@ async def test_data_parallel_over_torch_stages(strategy: str, schedule: str) -> 
         np.testing.assert_allclose(params[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+async def test_torch_stage_refuses_what_it_cannot_run() -> None:
+    """As a TorchModel: a parameter NumPy has no dtype for is a TypeError naming it, one off
+    the CPU a ValueError, a loss_fn that is not a scalar a ValueError naming loss_fn (they
+    were torch's and NumPy's own messages: 'Got unsupported ScalarType BFloat16', 'grad can
+    be implicitly created only for scalar outputs')."""
+    torch = pytest.importorskip("torch")
+    from asynccoll.parallel.pipeline import TorchStage
+
+    with pytest.raises(TypeError, match=r"parameter 'weight' has dtype torch.bfloat16"):
+        TorchStage(torch.nn.Linear(2, 2).bfloat16())
+    with pytest.raises(ValueError, match=r"parameter 'weight' is on meta; TorchStage needs CPU"):
+        TorchStage(torch.nn.Linear(2, 2, device="meta"))
+
+    async def rank(comm: Communicator) -> list[str]:
+        errors = []
+        with TorchStage(torch.nn.Linear(2, 2).double(), torch.nn.MSELoss(reduction="none"),
+                        input_grad=False) as stage:
+            batch = (np.ones((4, 2)), np.zeros((4, 2)))
+            for train in (True, False):
+                pp = PipelineParallel(stage, comm, micro_batches=2)
+                with pytest.raises(ValueError, match="loss_fn must return a scalar") as info:
+                    await (pp.step(batch, SGD(lr=0.1)) if train else pp.loss(batch))
+                errors.append(str(info.value))
+        return errors
+
+    assert len((await run_world(rank, 1, "memory"))[0]) == 2
+
+
 @pytest.mark.parametrize("wrapped", ["step", "zero2"])
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 async def test_frozen_torch_stage_parameters_stay_as_they_are(wrapped: str, opt: str) -> None:

@@ -478,7 +478,7 @@ class TorchStage(_BoundArrays, Stage):
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[Any, Any], Any] | None = None,
                  *, input_grad: bool = True) -> None:
-        from .torch_model import import_torch, module_buffer_specs
+        from .torch_model import cpu_numpy_dtype, import_torch, module_buffer_specs
 
         torch = import_torch()
         self._torch = torch
@@ -495,7 +495,7 @@ class TorchStage(_BoundArrays, Stage):
         for u, m in enumerate(units):
             for p in m.parameters():
                 name = names[id(p)]
-                dtype = np.dtype(torch.empty(0, dtype=p.dtype).numpy().dtype)
+                dtype = cpu_numpy_dtype(p, "parameter", name, "TorchStage")
                 specs.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=dtype, unit=u))
                 self._tparams[name] = p
         if len(specs) != len(names):
@@ -617,12 +617,18 @@ class TorchStage(_BoundArrays, Stage):
         target_t = self._tensor(target)
         if not grad:
             with torch.no_grad():
-                return float(self.loss_fn(out, target_t)) * weight, None
+                return float(self._scalar(self.loss_fn(out, target_t))) * weight, None
         leaf = out.detach().requires_grad_(True)
         with torch.enable_grad():
-            loss = self.loss_fn(leaf, target_t) * weight
+            loss = self._scalar(self.loss_fn(leaf, target_t)) * weight
         loss.backward()
         return float(loss.detach()), np.asarray(leaf.grad.numpy())
+
+    def _scalar(self, loss: Any) -> Any:
+        if not isinstance(loss, self._torch.Tensor) or loss.numel() != 1:
+            raise ValueError("loss_fn must return a scalar tensor (the mean loss over the "
+                             "micro-batch)")
+        return loss
 
     def _tensor(self, value: Any) -> Any:
         if isinstance(value, self._torch.Tensor):

@@ -79,20 +79,24 @@ def module_buffer_specs(module: Any, owner: str) -> list[BufferSpec]:
     (``persistent=False`` for those not in ``state_dict()``). ``owner`` names the wrapper in
     the errors: ``ValueError`` for a buffer not on the CPU, ``TypeError`` for a dtype NumPy
     lacks (bfloat16)."""
-    torch = import_torch()
     persistent = set(module.state_dict(keep_vars=True))
-    specs: list[BufferSpec] = []
-    for name, buf in module.named_buffers():
-        if buf.device.type != "cpu":
-            raise ValueError(f"buffer {name!r} is on {buf.device}; {owner} needs CPU tensors")
-        try:
-            dtype = np.dtype(torch.empty(0, dtype=buf.dtype).numpy().dtype)
-        except TypeError:
-            raise TypeError(f"buffer {name!r} has dtype {buf.dtype}, which NumPy does not "
-                            f"have") from None
-        specs.append(BufferSpec(name=name, shape=tuple(buf.shape), dtype=dtype,
-                                persistent=name in persistent))
-    return specs
+    return [BufferSpec(name=name, shape=tuple(buf.shape),
+                       dtype=cpu_numpy_dtype(buf, "buffer", name, owner),
+                       persistent=name in persistent)
+            for name, buf in module.named_buffers()]
+
+
+def cpu_numpy_dtype(tensor: Any, what: str, name: str, owner: str) -> np.dtype[Any]:
+    """The NumPy dtype of ``tensor`` (the ``what`` called ``name`` of a module that ``owner``
+    wraps): ``ValueError`` if it is not on the CPU, ``TypeError`` for a dtype NumPy lacks
+    (bfloat16)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what} {name!r} is on {tensor.device}; {owner} needs CPU tensors")
+    try:
+        return np.dtype(import_torch().empty(0, dtype=tensor.dtype).numpy().dtype)
+    except TypeError:
+        raise TypeError(f"{what} {name!r} has dtype {tensor.dtype}, which NumPy does not "
+                        f"have") from None
 
 
 def module_buffers(module: Any, specs: Sequence[BufferSpec]) -> dict[str, np.ndarray]:
