@@ -353,6 +353,43 @@ async def test_a_save_that_fails_on_one_rank_fails_on_every_rank(
     assert read_meta(tmp_path)["step"] == 3
 
 
+async def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path: Path) -> None:
+    """A checkpoint one rank cannot read (its machine does not see the directory) makes
+    every rank raise the same FileNotFoundError, the others naming that rank, and no rank's
+    model changes: the usual 'resume if there is a checkpoint, else start afresh' goes on
+    together. Rank 0 used to load alone and wait in a barrier that rank 1 (starting afresh)
+    never entered: a 'collective mismatch' CollectiveError, the world broken."""
+    ckpt = tmp_path / "ckpt"
+
+    async def save(comm: Communicator) -> None:
+        dist = as_distributed(MLP(SIZES, seed=3), comm, SGD(lr=0.1, momentum=0.9))
+        await dist.step(split_batch(batches(1)[0], comm.rank, comm.world_size))
+        await save_checkpoint(dist, ckpt)
+
+    await run_world(save, 2, "memory")
+
+    async def resume(comm: Communicator) -> tuple[str, np.ndarray, np.ndarray]:
+        model = MLP(SIZES, seed=5)
+        dist = as_distributed(model, comm, SGD(lr=0.1, momentum=0.9), strategy="zero1")
+        await dist.start()
+        before = flatten(model).copy()
+        seen = ckpt if comm.rank == 0 else tmp_path / "not-mounted"
+        try:
+            await load_checkpoint(dist, seen)
+            message = ""
+        except FileNotFoundError as exc:
+            message = str(exc)
+        unchanged = flatten(model) - before
+        await dist.step(split_batch(batches(1, seed=4)[0], comm.rank, comm.world_size))
+        return message, unchanged, flatten(model)
+
+    (m0, d0, p0), (m1, d1, p1) = await run_world(resume, 2, "tcp")
+    assert "rank 1 could not load it" in m0 and "not-mounted" in m0, m0
+    assert "not-mounted" in m1 and "no meta.json" in m1, m1
+    assert not d0.any() and not d1.any(), "a model changed"
+    np.testing.assert_array_equal(p0, p1)
+
+
 def _names(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
 

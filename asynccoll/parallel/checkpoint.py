@@ -40,15 +40,16 @@ is logged if the model has any.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import json
 import logging
 import os
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -68,6 +69,8 @@ BUFFERS_FILE = "buffers.npz"
 _OURS = re.compile(r"(shard-\d{5}|buffers)(-[0-9a-f]+)?\.npz(\.tmp\d+)?|meta\.json\.tmp\d+")
 
 log = logging.getLogger("asynccoll.parallel.checkpoint")
+
+T = TypeVar("T")
 
 
 def _shard_file(path: Path, rank: int, tag: str | None) -> Path:
@@ -178,34 +181,43 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     # each phase runs in a thread (the event loop keeps serving the other ranks), then every
     # rank learns whether every rank's succeeded: a rank that could not write its files (a full
     # disk) raises, the others too, and none commits nor waits for it
-    await _on_every_rank(dist.comm, root, "write its files", write)
-    await _on_every_rank(dist.comm, root, "write meta.json", commit if meta is not None else None)
+    kept = "; the checkpoint saved there before, if any, is left whole"
+    await _on_every_rank(dist.comm, root, "write its files",
+                         lambda: asyncio.to_thread(write), kept)
+    await _on_every_rank(dist.comm, root, "write meta.json",
+                         None if meta is None else lambda: asyncio.to_thread(commit), kept)
 
 
-async def _on_every_rank(comm: Communicator, root: Path, what: str,
-                         work: Callable[[], None] | None) -> None:
-    """Run ``work`` (blocking, in a thread; ``None``: nothing to do here) on this rank, then
-    agree with every rank of ``comm`` on the outcome (a collective, which also serves as a
-    barrier). If ``work`` failed here, its exception is raised; if it failed on another rank,
-    an ``OSError`` naming that rank and its error. A cancelled rank breaks ``comm``, so that
+async def _on_every_rank(comm: Communicator, root: str | os.PathLike[str], what: str,
+                         work: Callable[[], Awaitable[T]] | None, then: str = "") -> T | None:
+    """Await ``work()`` (``None``: nothing to do on this rank) and return its result, once
+    every rank of ``comm`` knows that every rank's succeeded (a collective, which also serves
+    as a barrier). If it failed here, its exception is raised; if it failed on another rank,
+    an exception of the same built-in class (``OSError`` or ``ValueError``, or ``OSError``
+    for any other) naming that rank and its error. A cancelled rank breaks ``comm``, so that
     the others do not wait for its answer until the timeout."""
     error: Exception | None = None
+    result = None
     try:
         if work is not None:
-            await asyncio.to_thread(work)
+            result = await work()
     except asyncio.CancelledError:
         await break_comm(comm)
         raise
     except Exception as exc:
         error = exc
     reports = await comm.all_gather_object(
-        None if error is None else f"{type(error).__name__}: {error}")
+        None if error is None else [type(error).__name__, str(error)])
     if error is not None:
         raise error
     for rank, report in enumerate(reports):
         if report is not None:
-            raise OSError(f"{root}: rank {rank} could not {what} ({report}); the checkpoint "
-                          f"saved there before, if any, is left whole")
+            name, message = report
+            kind = getattr(builtins, name, None)
+            if not (isinstance(kind, type) and issubclass(kind, (OSError, ValueError))):
+                kind = OSError
+            raise kind(f"{root}: rank {rank} could not {what} ({name}: {message}){then}")
+    return result
 
 
 def _model_part(model: Model) -> list[list[int]]:
@@ -328,7 +340,8 @@ async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     """Load a checkpoint saved with any number of ranks and any strategy into ``dist``.
 
     A collective: every rank calls it (each reads the files it needs, then all ranks
-    synchronise, so nobody trains on a half-loaded state). Every rank's model buffers become
+    synchronise, and load only if every rank could read and check them: no rank trains on
+    another state than the others). Every rank's model buffers become
     the saved ones (rank 0's at the save); a checkpoint without buffers (written by an older
     asynccoll) leaves them as they are.
 
@@ -336,37 +349,50 @@ async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
         ValueError: the checkpoint's parameters, optimizer or buffers do not fit ``dist``,
             or it holds another part of a model split over ranks (nothing of the model is
             changed then).
+        OSError: a file could not be read (``FileNotFoundError``: no checkpoint there).
+            When a rank fails, alone or not, every rank raises (the others an error of the
+            same built-in class naming that rank) and no rank's model is changed.
     """
-    meta, params, buffers = await asyncio.to_thread(read_full, path)
-    saved_part, part = meta.get("model_parallel"), _model_part(dist.model)
-    if saved_part is not None and saved_part != part:
-        raise ValueError(f"{path}: saved by the model-parallel part {saved_part} ([rank, size] "
-                         f"in each group), this rank holds the part {part}: load every part "
-                         f"from the directory it was saved into")
-    _check_layout(meta, dist.layout.describe(), str(path))
-    model_buffers = await asyncio.to_thread(_read_buffers, Path(path), meta)
+    async def read() -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarray],
+                              dict[str, np.ndarray] | None]:
+        meta, params, buffers = await asyncio.to_thread(read_full, path)
+        saved_part, part = meta.get("model_parallel"), _model_part(dist.model)
+        if saved_part is not None and saved_part != part:
+            raise ValueError(f"{path}: saved by the model-parallel part {saved_part} ([rank, "
+                             f"size] in each group), this rank holds the part {part}: load "
+                             f"every part from the directory it was saved into")
+        _check_layout(meta, dist.layout.describe(), str(path))
+        model_buffers = await asyncio.to_thread(_read_buffers, Path(path), meta)
+        opt = meta.get("optimizer")
+        if dist.optimizer is not None and opt is not None:
+            mine = type(dist.optimizer).__name__
+            if opt["class"] != mine:
+                raise ValueError(f"{path}: saved with optimizer {opt['class']}, loading into "
+                                 f"{mine}")
+        specs = dist.model.buffer_specs()
+        if model_buffers is None:
+            if specs and dist.rank == 0:
+                log.warning("%s holds no model buffers (saved by an older asynccoll): the "
+                            "model's buffers (%s...) are left as they are", path, specs[0].name)
+        else:
+            try:
+                dist.check_buffers(model_buffers)  # (before anything is loaded)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
+        return meta, params, buffers, model_buffers
+
+    # nothing is loaded on any rank unless every rank could read and check the checkpoint
+    got = await _on_every_rank(dist.comm, path, "load it", read,
+                               "; no rank's model was changed")
+    assert got is not None
+    meta, params, buffers, model_buffers = got
     opt = meta.get("optimizer")
-    if dist.optimizer is not None and opt is not None:
-        mine = type(dist.optimizer).__name__
-        if opt["class"] != mine:
-            raise ValueError(f"{path}: saved with optimizer {opt['class']}, loading into {mine}")
-    specs = dist.model.buffer_specs()
-    if model_buffers is None:
-        if specs and dist.rank == 0:
-            log.warning("%s holds no model buffers (saved by an older asynccoll): the "
-                        "model's buffers (%s...) are left as they are", path, specs[0].name)
-    else:
-        try:
-            dist.check_buffers(model_buffers)  # (before anything is loaded)
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
     if dist.optimizer is not None and opt is not None:
         dist.load_full_state(params, buffers, int(meta["step"]), opt.get("hyper"))
     else:
         dist.load_full_state(params, {}, int(meta["step"]))
     if model_buffers is not None:
         dist.load_buffers(model_buffers)
-    await dist.comm.barrier()
 
 
 def load_parameters(path: str | os.PathLike[str], model: Model | None = None
