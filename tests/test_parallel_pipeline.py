@@ -478,6 +478,53 @@ async def test_torch_stage_refuses_what_it_cannot_run() -> None:
     assert len((await run_world(rank, 1, "memory"))[0]) == 2
 
 
+@pytest.mark.parametrize("wrapped", ["step", "zero3"])
+async def test_a_frozen_first_torch_stage(wrapped: str) -> None:
+    """Fine-tuning with the first stage frozen whole (requires_grad=False): its output needs
+    no gradient, its backward has nothing to do, and the later stages train as in torch (it
+    raised torch's 'element 0 of tensors does not require grad' and broke the pipeline)."""
+    torch = pytest.importorskip("torch")
+    from asynccoll.parallel.pipeline import TorchStage
+
+    data = batches(sizes=[5, 3])
+
+    def frozen_net() -> Any:
+        net = torch_net(0)
+        net[0].requires_grad_(False)
+        return net
+
+    net = frozen_net()
+    ref = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.05,
+                          momentum=0.9)
+    want_losses = []
+    for x, y in data:
+        ref.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        ref.step()
+        want_losses.append(float(loss.detach()))
+    want = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+
+    async def rank(comm: Communicator) -> tuple[list[float], dict[str, np.ndarray]]:
+        mesh = await Mesh.create(comm, pipe=3)
+        p = mesh.coords.pipe
+        with TorchStage(split_sequential(frozen_net(), 3)[p],
+                        torch.nn.functional.mse_loss if p == 2 else None,
+                        input_grad=p > 0) as stage:
+            pp = PipelineParallel(stage, mesh.pipe, micro_batches=2)
+            optimizer = SGD(lr=0.05, momentum=0.9)
+            if wrapped == "step":
+                losses = [await pp.step(batch, optimizer) for batch in data]
+                return losses, {k: v.copy() for k, v in pp.parameters().items()}
+            dist = DistributedModel(pp, mesh.data, optimizer, strategy=wrapped)
+            losses = [await dist.step(batch) for batch in data]
+            return losses, await dist.full_parameters()
+
+    got = await run_world(rank, 3, "memory")
+    assert sorted(got[0][1]) == ["0.bias", "0.weight"]
+    check_against(got, want_losses, want)
+
+
 @pytest.mark.parametrize("wrapped", ["step", "zero2"])
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 async def test_frozen_torch_stage_parameters_stay_as_they_are(wrapped: str, opt: str) -> None:

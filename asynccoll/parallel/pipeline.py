@@ -600,14 +600,19 @@ class TorchStage(_BoundArrays, Stage):
 
     def _backward(self, saved: tuple[Any, Any], dy: np.ndarray) -> np.ndarray | None:
         xt, y = saved
-        self._torch.autograd.backward(y, self._tensor(dy))
+        # an output that needs no gradient: every parameter is frozen and the input is data
+        # (a frozen first stage), or does not depend on them
+        if y.requires_grad:
+            self._torch.autograd.backward(y, self._tensor(dy))
         for name, p in self._tparams.items():       # torch adds in place; make sure it did
             grad = self._grads[name]
             if p.grad is not None and grad.size and p.grad.data_ptr() != grad.ctypes.data:
                 np.copyto(grad, p.grad.detach().numpy())
                 self._attach(name)
-        if not self.input_grad or xt.grad is None:
+        if not self.input_grad:
             return None
+        if xt.grad is None:                         # the output does not depend on the input
+            return np.zeros_like(xt.detach().numpy())
         return np.asarray(xt.grad.numpy())
 
     def _loss(self, out: Any, target: Any, weight: float, grad: bool
