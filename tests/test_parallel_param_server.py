@@ -19,7 +19,7 @@ from test_launcher import REPO, clean_env
 from test_peer_loss import crash
 
 from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
-from asynccoll.parallel import MLP, SGD, Adam, FlatLayout, Optimizer
+from asynccoll.parallel import MLP, SGD, Adam, DistributedModel, FlatLayout, Optimizer
 from asynccoll.parallel.layout import split_bounds
 from asynccoll.parallel.model import Model
 from asynccoll.parallel.param_server import AsyncSGD, PushResult, ServerStats
@@ -122,6 +122,75 @@ async def test_one_worker_with_zero_staleness_is_synchronous_sgd(
     for r in results:
         if isinstance(r, ServerStats):
             assert r.accepted == r.version == len(batches) and r.rejected == r.scaled == 0
+
+
+@pytest.mark.parametrize("servers", [(0,), (0, 1)])
+async def test_max_grad_norm_clips_as_the_synchronous_wrapper_does(
+        servers: tuple[int, ...]) -> None:
+    """One worker with ``max_staleness=0`` and ``max_grad_norm`` is DistributedModel with
+    the same ``max_grad_norm`` on one rank, bit for bit: every pushed gradient is clipped to
+    the global norm over the whole model (the worker holds all of it) before it is sent."""
+    batches = [regression(s, 16) for s in range(12)]
+    max_norm = 0.02                         # below these gradients' norms: every step clips
+
+    async def synchronous(comm: Communicator) -> tuple[np.ndarray, list[float]]:
+        dist = DistributedModel(MLP(SIZES, seed=3), comm, Adam(lr=0.01),
+                                max_grad_norm=max_norm)
+        norms = []
+        for batch in batches:
+            await dist.step(batch)
+            assert dist.last_grad_norm is not None
+            norms.append(dist.last_grad_norm)
+        return (await dist.full_state())[0], norms
+
+    [(want, want_norms)] = await run_world(synchronous, 1, "memory")
+    assert min(want_norms) > 2 * max_norm
+
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=3 if comm.rank == servers[0] else 50 + comm.rank)
+        opt = AsyncSGD(model, comm, servers=servers, optimizer=Adam(lr=0.01),
+                       max_staleness=0, max_grad_norm=max_norm)
+        if opt.is_server:
+            return await opt.serve()
+        norms = []
+        for batch in batches:
+            await opt.step(batch)
+            assert opt.last_grad_norm is not None
+            norms.append(opt.last_grad_norm)
+        got = flat_of(await opt.parameters(), model)
+        await opt.finish()
+        return got, norms
+
+    results = await run_world(rank, len(servers) + 1, "memory")
+    got, norms = next(r for r in results if isinstance(r, tuple))
+    assert norms == want_norms
+    assert np.array_equal(got, want)
+
+
+async def test_max_grad_norm_leaves_a_callers_gradient_as_it_was() -> None:
+    """``push(array)`` with ``max_grad_norm`` sends the clipped gradient without changing
+    the caller's array; a gradient already within the norm goes as it is."""
+    async def rank(comm: Communicator) -> Any:
+        model = MLP(SIZES, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=1.0), max_grad_norm=1.0)
+        if opt.is_server:
+            return await opt.serve()
+        before = (await opt.parameters())
+        grad = np.full(opt.layout.size, 2.0)           # norm 2 * sqrt(n): clipped to 1
+        await opt.push(grad)
+        assert np.all(grad == 2.0)
+        assert opt.last_grad_norm == pytest.approx(2.0 * np.sqrt(grad.size))
+        small = np.full(opt.layout.size, 0.5 / np.sqrt(grad.size))    # norm 0.5: kept
+        await opt.pull()
+        await opt.push(small)
+        assert opt.last_grad_norm == pytest.approx(0.5)
+        after = await opt.parameters()
+        await opt.finish()
+        moved = flat_of(before, model) - flat_of(after, model)
+        return float(np.linalg.norm(moved - small))
+
+    _, moved = await run_world(rank, 2, "memory")
+    assert moved == pytest.approx(1.0, rel=1e-5)        # the first step: the clipped gradient
 
 
 @pytest.mark.parametrize("servers", [(0,), (0, 1)])

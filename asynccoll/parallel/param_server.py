@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -84,6 +85,7 @@ import numpy as np
 
 from ..collectives import Communicator
 from ..errors import CollectiveError, CollectiveTimeout, PeerLostError
+from .clip import SquareSum, check_max_norm, clip_coefficient, counted
 from .layout import FlatLayout, split_bounds
 from .model import Model
 from .optim import Optimizer, step_keeping
@@ -311,7 +313,8 @@ class AsyncSGD:
     Args:
         model: the ``Model`` (all parameters in one float
             dtype). On workers it is bound to a flat buffer that ``pull`` fills; on
-            server 0 its initial values are read once.
+            server 0 its initial values are read once. Its buffers (BatchNorm statistics)
+            are not exchanged: each worker's forward passes update its own.
         comm: the communicator. Its ``timeout`` bounds every wait and must exceed a
             worker's longest step (see the module docstring).
         servers: the ranks that hold the parameters, in shard order (server ``i`` holds the
@@ -325,17 +328,26 @@ class AsyncSGD:
             applies it with the learning rate divided by ``1 + staleness``. It has an effect
             only when ``max_staleness`` is set.
         workers: the ranks that train (default: every rank that is not a server).
+        max_grad_norm: clip every gradient a worker pushes to this L2 norm first, as
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)`` on the
+            worker before it sends: the norm over every trainable parameter of the whole
+            gradient (the worker holds all of it, so nothing is communicated); the gradient
+            is multiplied by ``max_grad_norm / (norm + 1e-6)`` when that is below 1 (a
+            non-finite norm scales it by NaN or 0, as torch's default does). The norm before
+            clipping is then in ``last_grad_norm``. Default ``None``: no clipping.
 
     Raises:
         ValueError: bad ranks (out of range, repeated, a rank both server and worker, no
-            worker), a negative ``max_staleness`` or an unknown ``stale`` mode.
+            worker), a negative ``max_staleness``, an unknown ``stale`` mode or a
+            ``max_grad_norm`` that is not a positive number.
         TypeError: ``optimizer`` is not an ``Optimizer``, or
             the parameters are not of one float dtype.
     """
 
     def __init__(self, model: Model, comm: Communicator, *, servers: Sequence[int] = (0,),
                  optimizer: Optimizer, max_staleness: int | None = None,
-                 stale: str = "reject", workers: Sequence[int] | None = None) -> None:
+                 stale: str = "reject", workers: Sequence[int] | None = None,
+                 max_grad_norm: float | None = None) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be an asynccoll.parallel Optimizer, "
                             f"got {type(optimizer).__name__}")
@@ -364,6 +376,10 @@ class AsyncSGD:
         self.optimizer = optimizer
         self.max_staleness = max_staleness
         self.stale = stale
+        self.max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        self.last_grad_norm: float | None = None
+        """On a worker with ``max_grad_norm``, the norm of the last gradient it pushed,
+        before clipping."""
         self.rank = comm.rank
         # one "rank" and one bucket per unit: AsyncSGD cuts the flat vector by servers itself
         self.layout = lay = FlatLayout(model.param_specs(), 1, 0)
@@ -524,7 +540,26 @@ class AsyncSGD:
             raise RuntimeError("push() before pull(): a gradient must be computed on "
                                "parameters pulled from the servers")
         flat = self._gradient_array(grads)
+        if self.max_grad_norm is not None:
+            flat = self._clip(flat, self.max_grad_norm)
         return tuple(await _all([self._push_one(i, flat) for i in range(len(self.servers))]))
+
+    def _clip(self, flat: np.ndarray, max_norm: float) -> np.ndarray:
+        """``flat`` clipped to the global norm ``max_norm`` over the trainable parameters:
+        the model's gradient buffer in place (as torch clips ``.grad``), a caller's array
+        into a new one (it is left as it was)."""
+        squares = SquareSum()
+        for a, b in counted(0, flat.size, self.layout.frozen_ranges(self.model.param_specs())):
+            squares.add(flat[a:b])
+        total = math.sqrt(squares.total)
+        self.last_grad_norm = total
+        coef = clip_coefficient(max_norm, total)
+        if coef is None:
+            return flat
+        if flat is self._grads:
+            flat *= coef
+            return flat
+        return flat * flat.dtype.type(coef)
 
     def _gradient_array(self, grads: np.ndarray | Mapping[str, np.ndarray] | None
                         ) -> np.ndarray:
