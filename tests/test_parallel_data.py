@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -388,6 +389,52 @@ async def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path: Path) -> 
     assert "not-mounted" in m1 and "no meta.json" in m1, m1
     assert not d0.any() and not d1.any(), "a model changed"
     np.testing.assert_array_equal(p0, p1)
+
+
+async def test_a_damaged_checkpoint_is_a_valueerror_naming_the_file(tmp_path: Path) -> None:
+    """A checkpoint damaged after its save (a truncated copy, a flipped bit, an empty file)
+    is a ValueError naming the damaged file on every rank, the model left as it was. It used
+    to be numpy's or zipfile's own error (BadZipFile 'File is not a zip file', EOFError 'No
+    data left in file', JSONDecodeError 'Expecting value'), naming no file."""
+    import shutil
+
+    async def save(comm: Communicator) -> None:
+        dist = as_distributed(MLP(SIZES, seed=3), comm, Adam(lr=0.01), strategy="zero2")
+        await dist.step(split_batch(batches(1)[0], comm.rank, comm.world_size))
+        await save_checkpoint(dist, tmp_path / "good")
+
+    await run_world(save, 2, "memory")
+
+    def truncate(f: Path) -> None:
+        f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+
+    def flip(f: Path) -> None:
+        data = bytearray(f.read_bytes())
+        data[len(data) // 3] ^= 0xFF          # inside the params' bytes: the CRC catches it
+        f.write_bytes(bytes(data))
+
+    def empty(f: Path) -> None:
+        f.write_bytes(b"")
+
+    cases = [("meta.json", truncate), ("meta.json", empty), ("shard-00001-*", truncate),
+             ("shard-00001-*", flip), ("shard-00000-*", empty)]
+    for pattern, damage in cases:
+        where = tmp_path / f"{damage.__name__}-{pattern[:5]}"
+        shutil.copytree(tmp_path / "good", where)
+        (victim,) = where.glob(pattern)
+        damage(victim)
+
+        async def load(comm: Communicator, where: Path = where, victim: Path = victim) -> None:
+            model = MLP(SIZES, seed=5)
+            dist = as_distributed(model, comm, Adam(lr=0.01), strategy="zero2")
+            before = flatten(model).copy()
+            with pytest.raises(ValueError, match=re.escape(victim.name)):
+                await load_checkpoint(dist, where)
+            np.testing.assert_array_equal(flatten(model), before)
+
+        await run_world(load, 2, "memory")
+        with pytest.raises(ValueError, match=re.escape(str(victim))):
+            load_parameters(where)
 
 
 def _names(path: Path) -> list[str]:

@@ -47,7 +47,9 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Awaitable, Callable
+import zipfile
+import zlib
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -249,6 +251,42 @@ async def _own_directory(dist: DistributedModel, root: Path) -> list[list[int]]:
     return part
 
 
+#: what reading a damaged or truncated .npz raises (FileNotFoundError is let through)
+_DAMAGED = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+
+
+def _damaged(file: Path, exc: BaseException) -> ValueError:
+    return ValueError(f"{file}: damaged or cut short, numpy cannot read it "
+                      f"({type(exc).__name__}: {exc})")
+
+
+@contextlib.contextmanager
+def _open_npz(file: Path) -> Iterator[Any]:
+    """``numpy.load`` of one of a checkpoint's ``.npz`` files (no pickles); a ``ValueError``
+    naming it if it is not one (damaged, cut short). The file is opened here, so that it is
+    closed whatever numpy raises (its own open leaks the file on a damaged archive)."""
+    with open(file, "rb") as f:
+        try:
+            z = np.load(f)
+        except _DAMAGED as exc:
+            raise _damaged(file, exc) from exc
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError(f"{file}: not an .npz archive")
+        with z:
+            yield z
+
+
+def _member(z: Any, file: Path, key: str) -> np.ndarray:
+    """Array ``key`` of the open ``.npz`` ``z`` (a ``ValueError`` naming ``file`` if it
+    lacks it, or if it is damaged)."""
+    if key not in z.files:
+        raise ValueError(f"{file}: lacks {key!r}")
+    try:
+        return np.asarray(z[key])
+    except _DAMAGED as exc:
+        raise _damaged(file, exc) from exc
+
+
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checkpoint's metadata (``meta.json``), checked for format and version."""
     file = Path(path) / "meta.json"
@@ -256,7 +294,10 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         meta = json.loads(file.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is not a checkpoint: no meta.json") from None
-    if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: damaged, not JSON ({exc})") from exc
+    if (not isinstance(meta, dict) or meta.get("format") != FORMAT
+            or meta.get("version") not in READABLE_VERSIONS):
         raise ValueError(f"{file}: not an {FORMAT} file of version "
                          f"{' or '.join(map(str, READABLE_VERSIONS))}")
     return meta
@@ -275,17 +316,18 @@ def read_full(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray,
     buffers = {n: np.empty(size, dtype) for n in names}
     filled = np.zeros(size, bool)
     for rank, ranges in enumerate(lay["shards"]):
-        with np.load(_shard_file(root, rank, _tag(meta))) as z:
+        file = _shard_file(root, rank, _tag(meta))
+        with _open_npz(file) as z:
             targets = [("params", params)] + [(f"opt.{n}", buffers[n]) for n in names]
             for key, whole in targets:
-                piece = z[key]
+                piece = _member(z, file, key).reshape(-1)
+                if piece.size != sum(b - a for a, b in ranges):
+                    raise ValueError(f"{root}: shard {rank} {key} has {piece.size} values, "
+                                     f"its ranges {sum(b - a for a, b in ranges)}")
                 pos = 0
                 for a, b in ranges:
                     whole[a:b] = piece[pos:pos + b - a]
                     pos += b - a
-                if pos != piece.size:
-                    raise ValueError(f"{root}: shard {rank} {key} has {piece.size} values, "
-                                     f"its ranges {pos}")
         for a, b in ranges:
             filled[a:b] = True
     if not filled.all():
@@ -310,12 +352,10 @@ def _read_buffers(root: Path, meta: dict[str, Any]) -> dict[str, np.ndarray] | N
         return {}
     out: dict[str, np.ndarray] = {}
     file = _buffers_file(root, _tag(meta))
-    with np.load(file) as z:
+    with _open_npz(file) as z:
         for entry in listed:
             name = entry["name"]
-            if name not in z.files:
-                raise ValueError(f"{root}: {file.name} lacks buffer {name!r}")
-            value = z[name]
+            value = _member(z, file, name)
             if (list(value.shape) != list(entry["shape"])
                     or value.dtype != np.dtype(entry["dtype"])):
                 raise ValueError(f"{root}: buffer {name!r} is {value.dtype} {value.shape}, "
