@@ -258,6 +258,40 @@ async def test_checkpoint_rejects_another_model(tmp_path: Path) -> None:
     await run_world(load, 2, "memory")
 
 
+class _BiasFirst(MLP):
+    """The MLP's parameters, each layer's bias listed before its weight."""
+
+    def param_specs(self) -> list[Any]:
+        specs = super().param_specs()
+        return [s for pair in zip(specs[1::2], specs[::2], strict=True) for s in pair]
+
+
+async def test_checkpoint_of_another_model_says_which_parameters_differ(
+        tmp_path: Path) -> None:
+    """The error names the checkpoint's and the model's parameters apart, and says when only
+    the order differs. It used to list the symmetric difference of the two, mixed (which
+    shape is whose?), and an empty one for another order: 'first differences: []'."""
+    async def save(comm: Communicator) -> None:
+        await save_checkpoint(as_distributed(MLP(SIZES), comm, SGD(lr=0.1)), tmp_path)
+
+    await run_world(save, 2, "memory")
+
+    async def load(comm: Communicator) -> None:
+        with pytest.raises(ValueError, match=re.escape(
+                "only the checkpoint has layers.0.weight (7, 5), layers.0.bias (7,), "
+                "layers.1.weight (4, 7), layers.1.bias (4,) and 2 more, only the model "
+                "layers.0.weight (6, 5), layers.0.bias (6,), layers.1.weight (3, 6), "
+                "layers.1.bias (3,)")):
+            await load_checkpoint(as_distributed(MLP([5, 6, 3]), comm, SGD(lr=0.1)), tmp_path)
+        with pytest.raises(ValueError, match=re.escape(
+                "the same parameters in another order: the checkpoint's #0 is "
+                "'layers.0.weight', the model's 'layers.0.bias'")):
+            await load_checkpoint(as_distributed(_BiasFirst(SIZES), comm, SGD(lr=0.1)),
+                                  tmp_path)
+
+    await run_world(load, 2, "memory")
+
+
 async def test_a_save_cut_short_leaves_the_previous_checkpoint_whole(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save over an existing checkpoint that one rank does not finish (killed, disk full)

@@ -364,13 +364,28 @@ def _read_buffers(root: Path, meta: dict[str, Any]) -> dict[str, np.ndarray] | N
     return out
 
 
+def _named(params: list[tuple[str, tuple[int, ...]]]) -> str:
+    """``params`` (name, shape) for a message: the first four, and how many more."""
+    if not params:
+        return "none"
+    shown = ", ".join(f"{name} {shape}" for name, shape in params[:4])
+    return shown + (f" and {len(params) - 4} more" if len(params) > 4 else "")
+
+
 def _check_layout(meta: dict[str, Any], dist_layout: dict[str, Any], where: str) -> None:
     old = [(p["name"], tuple(p["shape"])) for p in meta["layout"]["params"]]
     new = [(p["name"], tuple(p["shape"])) for p in dist_layout["params"]]
     if old != new:
-        diff = sorted(set(old) ^ set(new))[:4]
+        saved, model = [x for x in old if x not in new], [x for x in new if x not in old]
+        if saved or model:
+            detail = (f"only the checkpoint has {_named(saved)}, only the model "
+                      f"{_named(model)}")
+        else:
+            at = next(i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
+            detail = (f"the same parameters in another order: the checkpoint's #{at} is "
+                      f"{old[at][0]!r}, the model's {new[at][0]!r}")
         raise ValueError(f"{where}: the checkpoint's parameters do not match the model's "
-                         f"(first differences: {diff})")
+                         f"({detail})")
     if meta["layout"]["dtype"] != dist_layout["dtype"]:
         raise ValueError(f"{where}: checkpoint dtype {meta['layout']['dtype']}, model "
                          f"{dist_layout['dtype']}")
