@@ -832,6 +832,51 @@ async def test_a_schedule_on_the_given_optimizer_reaches_every_strategy(strategy
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_the_given_optimizer_counts_the_steps_under_every_strategy(
+        strategy: str, tmp_path: Path) -> None:
+    """A schedule that reads the step count of the optimizer it handed to the wrapper
+    (``opt.lr = f(opt.steps)``) sees the steps under ZeRO as under DDP, whose optimizer it
+    is, also after a checkpoint is loaded: under ZeRO it stayed at 0 (only the per-bucket
+    clones stepped), so such a schedule never moved."""
+    data = batches(5)
+
+    def schedule(steps: int) -> float:
+        return 0.1 / (1 + steps)
+
+    async def rank(comm: Communicator) -> tuple[list[int], int, np.ndarray]:
+        opt = SGD(lr=0.1, momentum=0.9)
+        dist = as_distributed(MLP(SIZES, seed=3), comm, opt, strategy=strategy,
+                              bucket_bytes=200)
+        seen = []
+        for batch in data[:3]:
+            opt.lr = schedule(opt.steps)
+            await dist.step(split_batch(batch, comm.rank, comm.world_size))
+            seen.append(opt.steps)
+        await save_checkpoint(dist, tmp_path)
+        opt2 = SGD(lr=0.1, momentum=0.9)
+        again = as_distributed(MLP(SIZES, seed=5), comm, opt2, strategy=strategy,
+                               bucket_bytes=200)
+        await load_checkpoint(again, tmp_path)
+        loaded = opt2.steps
+        for batch in data[3:]:
+            opt2.lr = schedule(opt2.steps)
+            await again.step(split_batch(batch, comm.rank, comm.world_size))
+        full = await again.full_parameters()
+        return seen, loaded, np.concatenate(
+            [full[s.name].reshape(-1) for s in again.model.param_specs()])
+
+    ref_opt = SGD(lr=0.1, momentum=0.9)
+    model = MLP(SIZES, seed=3)
+    for batch in data:
+        ref_opt.lr = schedule(ref_opt.steps)
+        _, want = await train_locally(model, ref_opt, [batch])
+    for seen, loaded, got in await run_world(rank, 3, "memory"):
+        assert seen == [1, 2, 3]
+        assert loaded == 3
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("compression", ["topk:0.2", "int8:4"])
 async def test_compression_residuals_restart_at_zero_on_load(compression: str,
                                                              tmp_path: Path) -> None:

@@ -411,6 +411,15 @@ class DistributedModel:
                 assert self._grads is not None
                 self._grads.fill(0)
         self._steps += 1
+        self._template_follows()
+
+    def _template_follows(self) -> None:
+        """ZeRO steps clones of the optimizer it was given: that optimizer's step count
+        follows theirs, so that a schedule reading ``opt.steps`` works under every strategy
+        (DDP steps the optimizer itself)."""
+        opt = self._optimizer
+        if opt is not None and self._opts and self._opts[0] is not opt:
+            opt.load_state_dict({"step": self._opts[0].steps})
 
     def _opt_step(self, opt: Optimizer, params: np.ndarray, grads: np.ndarray,
                   start: int) -> None:
@@ -680,8 +689,8 @@ class DistributedModel:
             opt.load_state_dict(state)
         if hyper and self._optimizer is not None and self.strategy != "ddp":
             # ZeRO steps clones: the template (``lr``, what a checkpoint records) follows them
-            self._optimizer.load_state_dict({"step": self._optimizer.steps,
-                                             "hyper": dict(hyper)})
+            self._optimizer.load_state_dict({"step": step, "hyper": dict(hyper)})
+        self._template_follows()
         self._steps = step
 
     # ----------------------------------------------------------------------- hooks
