@@ -255,6 +255,28 @@ async def test_rendezvous_client_with_wrong_token() -> None:
             assert await client.get("k") == b"v"
 
 
+@pytest.mark.parametrize("addr", ["127.0.0.2", "::ffff:127.0.0.3"])
+async def test_rank_0_hosts_the_rendezvous_on_another_loopback_address(addr: str) -> None:
+    """ASYNCCOLL_ADDR=127.0.0.2 (a second "machine" on loopback): rank 0 bound its rendezvous
+    on 127.0.0.1, so every rank, rank 0 included, retried 127.0.0.2 until its timeout
+    ('Connect call failed'). It binds the address the ranks dial now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr.rpartition(":")[2], 0))
+        port = int(s.getsockname()[1])
+    async with asyncio.timeout(20):
+        comms = await asyncio.gather(*(
+            tcp_init(rank=r, world_size=2, addr=addr, port=port, token=TOKEN, timeout=5.0)
+            for r in range(2)))
+    try:
+        xs = [np.full(3, r + 1.0) for r in range(2)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        for x in xs:
+            np.testing.assert_array_equal(x, np.full(3, 3.0))
+    finally:
+        for c in comms:
+            await c.close()
+
+
 async def test_world_with_different_tokens_cannot_form() -> None:
     """Rank 0 hosts the rendezvous with one token, rank 1 brings another: both fail, fast."""
     port = free_port()

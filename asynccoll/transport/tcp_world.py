@@ -11,6 +11,7 @@ connections and the data path are in ``asynccoll.transport.tcp``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 from typing import Any
 
@@ -77,6 +78,17 @@ def _env_int(value: int | None, *names: str, what: str, valid: range | None = No
     return number
 
 
+def _bind_address(addr: str) -> str:
+    """The address a rendezvous that ranks reach at ``addr`` binds."""
+    if addr == "localhost":
+        return "127.0.0.1"
+    try:
+        mapped = getattr(ipaddress.ip_address(addr), "ipv4_mapped", None)
+    except ValueError:
+        return addr  # a host name: bound as it resolves
+    return str(mapped) if mapped is not None else addr
+
+
 def _local_ip(client: Any) -> str:
     """The local IP address of the rendezvous client's connection."""
     sockname = client.local_address
@@ -125,8 +137,9 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
 
     server = None
     if host_rendezvous:
-        server = RendezvousServer(addr if not is_loopback(addr) else "127.0.0.1", rdv_port,
-                                  token=token)
+        # the address the ranks reach it on (127.0.0.2 too: a socket bound to 127.0.0.1
+        # does not answer there), IPv4 for "localhost" and an IPv4-mapped address
+        server = RendezvousServer(_bind_address(addr), rdv_port, token=token)
         await server.start()
         rdv_port = server.port
     transport: TcpTransport | None = None
