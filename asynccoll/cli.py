@@ -17,6 +17,10 @@ log = logging.getLogger("asynccoll.launcher")
 
 #: seconds between SIGTERM and SIGKILL when stopping the other ranks
 GRACE_SECONDS = 5.0
+#: most bytes of a rank's output the launcher reads at once
+PUMP_CHUNK = 1 << 16
+#: a line longer than this goes out in pieces of about this size, each prefixed
+LINE_LIMIT = 1 << 20
 
 
 def _run_loop(coro: Any) -> Any:
@@ -97,29 +101,41 @@ class _Launcher:
         self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, output, rdv_port)))
 
     async def _pump(self, rank: int, stream: asyncio.StreamReader, out: Any) -> None:
+        """Copy ``stream`` to ``out``, each line prefixed with ``[rank]``: a line goes out once
+        it ends (or at the end of the output), one longer than ``LINE_LIMIT`` in pieces,
+        every line that a read brought in one write."""
         prefix = f"[{rank}] ".encode()
+        begun = bytearray()  # the start of a line whose end has not come yet
         while True:
-            try:
-                line = await stream.readline()
-            except ValueError:  # a line longer than the limit: pass it through in pieces
-                line = await stream.read(1 << 16)
-            if not line:
+            chunk = await stream.read(PUMP_CHUNK)
+            begun += chunk
+            end = begun.rfind(b"\n") + 1
+            if not chunk or len(begun) - end >= LINE_LIMIT:
+                end = len(begun)  # the rest goes out too, ended by a newline
+            if end:
+                lines = bytes(begun[:end])
+                del begun[:end]
+                if lines.endswith(b"\n"):
+                    lines = lines[:-1]
+                self._write(out, prefix + lines.replace(b"\n", b"\n" + prefix) + b"\n")
+            if not chunk:
                 return
-            if out in self.closed_outputs:
-                continue  # still read, so that the rank never blocks on a full pipe
-            try:
-                out.buffer.write(prefix + line if line.endswith(b"\n")
-                                 else prefix + line + b"\n")
-                out.buffer.flush()
-            except BrokenPipeError:
-                # whoever read our output stopped (``asynccoll run ... | head``): the job goes
-                # on, its output to that stream is dropped, and nothing left in the stream's
-                # buffer fails again at exit
-                self.closed_outputs.add(out)
-                with contextlib.suppress(OSError, ValueError):
-                    null = os.open(os.devnull, os.O_WRONLY)
-                    os.dup2(null, out.fileno())
-                    os.close(null)
+
+    def _write(self, out: Any, data: bytes) -> None:
+        if out in self.closed_outputs:
+            return  # still read, so that the rank never blocks on a full pipe
+        try:
+            out.buffer.write(data)
+            out.buffer.flush()
+        except BrokenPipeError:
+            # whoever read our output stopped (``asynccoll run ... | head``): the job goes
+            # on, its output to that stream is dropped, and nothing left in the stream's
+            # buffer fails again at exit
+            self.closed_outputs.add(out)
+            with contextlib.suppress(OSError, ValueError):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, out.fileno())
+                os.close(null)
 
     async def _watch(self, rank: int, proc: asyncio.subprocess.Process,
                      output: asyncio.Future[Any], rdv_port: int) -> None:

@@ -259,6 +259,28 @@ def test_run_output_read_by_a_reader_that_stops(tmp_path: Path) -> None:
     assert_all_gone(pids)
 
 
+def test_run_output_lines_longer_than_a_mebibyte_are_passed_on_whole(
+        reaper: Callable[..., Proc], tmp_path: Path) -> None:
+    """A rank printing a 3 MB line (a large array, a progress bar's carriage returns): the
+    launcher read lines with StreamReader.readline, which drops what it buffered once a line
+    passes its 1 MiB limit, so about 2.3 MB of it never came out. Now every byte does, in
+    prefixed pieces, and the lines after it too."""
+    script = tmp_path / "long_line.py"
+    script.write_text(
+        "import sys\n"
+        "sys.stdout.write('x' * 3_000_000 + '\\n')\n"
+        "sys.stdout.write('after\\n')\n")
+    proc = reaper(launcher("-n", "2", str(script)))
+    code = proc.finish(60)
+    out = proc.output
+    assert code == 0, out[-2000:]
+    for r in range(2):
+        pieces = [line for line in proc.lines if line.startswith(f"[{r}] x")]
+        assert sum(len(line) - len(f"[{r}] ") for line in pieces) == 3_000_000, len(out)
+        assert set("".join(line[len(f"[{r}] "):] for line in pieces)) == {"x"}
+        assert f"[{r}] after" in proc.lines, out[-2000:]
+
+
 def test_info() -> None:
     res = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=30, check=False)
