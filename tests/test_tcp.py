@@ -24,7 +24,7 @@ from conftest import LogWatch, settle_until
 
 import asynccoll
 from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
-from asynccoll.errors import AuthenticationError, ProtocolError
+from asynccoll.errors import AuthenticationError, ProtocolError, RendezvousError
 from asynccoll.handshake import (
     ClientHandshake,
     client_handshake,
@@ -275,6 +275,64 @@ async def test_rank_0_hosts_the_rendezvous_on_another_loopback_address(addr: str
     finally:
         for c in comms:
             await c.close()
+
+
+async def test_ranks_started_with_different_world_sizes_say_so() -> None:
+    """Ranks 0 and 2 started with world_size 3, rank 1 with 2: rank 1 said 'rank 2 joined but
+    world_size is 2', the others PeerLostError 'cannot connect to world rank 1 ...:
+    connection closed during handshake: None' or a timeout. Each rank now names the rank
+    whose world size differs from its own, at once."""
+    server = RendezvousServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+    try:
+        t0 = time.monotonic()
+        async with asyncio.timeout(20):
+            results = await asyncio.gather(*(
+                tcp_init(rank=r, world_size=size, addr="127.0.0.1", port=server.port,
+                         token=TOKEN, timeout=5.0, host_rendezvous=False)
+                for r, size in ((0, 3), (1, 2), (2, 3))), return_exceptions=True)
+        elapsed = time.monotonic() - t0
+        for c in results:
+            if isinstance(c, Communicator):
+                await c.close()
+        for r, exc in enumerate(results):
+            assert isinstance(exc, CollectiveError), (r, results)
+            assert "every rank needs the same world size" in str(exc), (r, exc)
+            blamed = "rank 0" if r == 1 else "rank 1"
+            assert f"{blamed} was started with world_size" in str(exc), (r, exc)
+        assert elapsed < 4.0, elapsed
+    finally:
+        await server.close()
+
+
+async def test_two_processes_with_one_rank_number_are_told_apart() -> None:
+    """Ranks 0, 1 and 1 again (rank 2 never started) on a standalone rendezvous: the second
+    rank 1 replaced the first in the roster, and every rank timed out with 'waiting for 3
+    ranks to join the roster (have 2)'. The replaced rank now says another process joined as
+    its rank, the others which rank never joined."""
+    server = RendezvousServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+    try:
+        async def rank(r: int, delay: float) -> Communicator:
+            await asyncio.sleep(delay)
+            return await tcp_init(rank=r, world_size=3, addr="127.0.0.1", port=server.port,
+                                  token=TOKEN, timeout=2.0, host_rendezvous=False)
+
+        async with asyncio.timeout(20):
+            results = await asyncio.gather(rank(0, 0.0), rank(1, 0.0), rank(1, 0.5),
+                                           return_exceptions=True)
+        for c in results:
+            if isinstance(c, Communicator):
+                await c.close()
+        first, replaced, second = results
+        assert isinstance(replaced, CollectiveError), results
+        assert "rank 1 joined the rendezvous twice" in str(replaced), replaced
+        assert "needs a distinct rank" in str(replaced), replaced
+        for exc in (first, second):
+            assert isinstance(exc, RendezvousError), results
+            assert "never joined: rank 2" in str(exc), exc
+    finally:
+        await server.close()
 
 
 async def test_world_with_different_tokens_cannot_form() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from .._aio import is_loopback, uncancelled
 from ..algorithms import power_of_two_fold
 from ..collectives import Communicator, check_timeout
-from ..errors import CollectiveError
+from ..errors import CollectiveError, RendezvousError
 from ..tuning import Tuning
 from ..wire import DEFAULT_MAX_PAYLOAD_BYTES
 from .tcp import TcpTransport, _env
@@ -95,6 +95,50 @@ def _local_ip(client: Any) -> str:
     return str(sockname[0])
 
 
+def _check_roster(members: dict[int, list[Any]], rank: int, world_size: int,
+                  mine: tuple[str, int]) -> None:
+    """Raise ``CollectiveError`` when the ranks of a full roster were started inconsistently:
+    another world size, or another process joined as this rank (replacing its entry)."""
+    for r, entry in sorted(members.items()):
+        theirs = entry[2].get("world_size") if isinstance(entry[2], dict) else None
+        if type(theirs) is int and theirs != world_size:
+            raise CollectiveError(
+                f"rank {r} was started with world_size {theirs}, this rank ({rank}) with "
+                f"{world_size}: every rank needs the same world size")
+        if r >= world_size:
+            raise CollectiveError(f"rank {r} joined but world_size is {world_size}")
+    _check_own_entry(members, rank, mine)
+
+
+def _check_own_entry(members: dict[int, list[Any]], rank: int, mine: tuple[str, int]) -> None:
+    entry = members.get(rank)
+    if entry is not None and (str(entry[0]), int(entry[1])) != mine:
+        raise CollectiveError(
+            f"rank {rank} joined the rendezvous twice: another process (listening on "
+            f"{entry[0]}:{entry[1]}) took this process's place as rank {rank}; every process "
+            f"needs a distinct rank")
+
+
+async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: int,
+                    mine: tuple[str, int]) -> CollectiveError:
+    """The error for a roster that did not fill in time: which ranks never joined, unless
+    those that did were started inconsistently (``_check_roster``: another world size,
+    another process joined as this rank, replacing its entry)."""
+    try:
+        members = (await client.roster(timeout=0))["members"]
+    except (RendezvousError, OSError):
+        return exc  # the rendezvous itself is gone: nothing more to say
+    try:
+        _check_roster(members, rank, world_size, mine)
+    except CollectiveError as inconsistent:
+        return inconsistent
+    missing = [r for r in range(world_size) if r not in members]
+    if not missing:
+        return exc
+    listed = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+    return RendezvousError(f"{exc}; never joined: rank{'s' * (len(missing) > 1)} {listed}")
+
+
 def world_crowded(members: Any) -> bool:
     """Whether any rank of a roster (entries ``[host, port, meta]``) said it shares a core
     (``Transport.crowded``): every rank reads the same roster, so all agree."""
@@ -156,14 +200,16 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                                  peer_loss=peer_loss)
         host, lport = await transport.listen(bind, 0)
         advertised = host if host not in ("0.0.0.0", "::") else _local_ip(client)
-        await client.join(rank, advertised, lport, {"crowded": transport.yields})
-        roster = await client.roster(world_size, timeout)
+        await client.join(rank, advertised, lport,
+                          {"crowded": transport.yields, "world_size": world_size})
+        try:
+            roster = await client.roster(world_size, timeout)
+        except RendezvousError as exc:
+            raise await _unfilled(client, exc, rank, world_size, (advertised, lport)) from None
         members = roster["members"]
+        _check_roster(members, rank, world_size, (advertised, lport))
         for r, entry in members.items():
-            r = int(r)
-            if r >= world_size:
-                raise CollectiveError(f"rank {r} joined but world_size is {world_size}")
-            transport.addresses[r] = (str(entry[0]), int(entry[1]))
+            transport.addresses[int(r)] = (str(entry[0]), int(entry[1]))
         transport.crowded = world_crowded(members.values())
         await transport.connect_peers(startup_peers(rank, world_size))
     except BaseException:
