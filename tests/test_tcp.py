@@ -358,6 +358,30 @@ async def test_world_with_different_tokens_cannot_form() -> None:
     assert elapsed < 3.0 + 6.0, elapsed
 
 
+async def test_a_peer_that_closes_during_the_handshake_is_named_plainly() -> None:
+    """A port whose process closes the connection before answering the HELLO (a rank that
+    gave up, a process started with another world size): the error read 'connection closed
+    during handshake: None'."""
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)
+        writer.close()
+
+    other = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    t = TcpTransport(0, 2, token=TOKEN, handshake_timeout=2.0)
+    try:
+        t.addresses[0] = await t.listen("127.0.0.1", 0)
+        t.addresses[1] = other.sockets[0].getsockname()[:2]
+        with pytest.raises(PeerLostError) as excinfo:
+            await t.connect(1)
+        message = str(excinfo.value)
+        assert "None" not in message, message
+        assert "closed the connection during the handshake" in message, message
+    finally:
+        await t.close()
+        other.close()
+        await other.wait_closed()
+
+
 async def test_peers_with_different_tokens_cannot_connect() -> None:
     """Two transports that share a rendezvous but not a token never open a connection."""
     t0 = TcpTransport(0, 2, token="alpha", handshake_timeout=2.0)

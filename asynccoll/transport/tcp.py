@@ -390,7 +390,9 @@ class _Connection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         if not self.ready.done():
-            self.ready.set_exception(ConnectionError(f"connection closed during handshake: {exc}"))
+            self.ready.set_exception(ConnectionError(
+                f"connection lost during the handshake: {exc}" if exc is not None else
+                "the other end closed the connection during the handshake"))
             self.ready.exception()  # mark retrieved; the dialler reports it
         self._wake_drain()
         self.owner._connection_lost(self, exc)
