@@ -1,9 +1,15 @@
 """``asynccoll bench``: an nccl-tests-style table per collective.
 
-Columns: size (bytes per rank's buffer, as nccl-tests counts it), count (elements), dtype,
-time (us, the slowest rank's median operation), algbw = size / time and busbw = algbw x the
-op's bus factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
-broadcast 1), in GB/s.
+Columns, as nccl-tests defines them: size (bytes of the op's full buffer: all_reduce's and
+broadcast's array, all_gather's gathered output, reduce_scatter's input, all_to_all's input,
+the last three whole blocks of every rank), count (elements: of the array for all_reduce and
+broadcast, of one rank's block for all_gather and reduce_scatter, of one peer's block for
+all_to_all; 0 for barrier), dtype, time (us, the slowest rank's median operation), algbw =
+size / time and busbw = algbw x the op's bus factor (all_reduce 2(n-1)/n; all_gather,
+reduce_scatter, all_to_all (n-1)/n; broadcast 1), in GB/s.
+
+``--json`` prints one JSON object a line (rank 0), a row per (op, size), with the keys of
+``JSON_KEYS``: op, size, count, dtype, time_us, algbw, busbw (GB/s), ranks, backend.
 
 Runs its ranks itself (``-n N``: processes through the launcher for ``tcp``, coroutines for
 ``memory``) or joins a world started by ``asynccoll run`` (``mpi``: by ``mpirun``). On
@@ -24,6 +30,8 @@ from typing import Any
 import numpy as np
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier")
+#: the keys of every ``--json`` row, in order (a stable schema: see the module's docstring)
+JSON_KEYS = ("op", "size", "count", "dtype", "time_us", "algbw", "busbw", "ranks", "backend")
 
 
 def _size(text: str) -> int:
@@ -55,9 +63,13 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         if unknown:
             return f"unknown op {unknown[0]!r}; choose from all, {', '.join(OPS)}"
     try:
-        dtype_code(np.dtype(args.dtype))
+        dt = np.dtype(args.dtype)
+        dtype_code(dt)
     except TypeError as exc:  # not a dtype, or not one asynccoll moves
         return f"--dtype {args.dtype!r}: {exc}"
+    if not dt.isnative:  # the collectives take arrays in this machine's byte order only
+        return (f"--dtype {args.dtype!r}: not this machine's byte order; asynccoll moves "
+                f"native arrays (--dtype {dt.newbyteorder('=').name})")
     for name in ("iters", "warmup"):
         if getattr(args, name) < 0:
             return f"--{name} must be >= 0, got {getattr(args, name)}"
@@ -65,6 +77,11 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return f"--factor must be >= 2, got {args.factor}"
     if args.min_bytes > args.max_bytes:
         return f"--min-bytes ({args.min_bytes}) is larger than --max-bytes ({args.max_bytes})"
+    if args.n is not None and args.backend != "mpi" and _under_launcher():
+        return ("-n starts ranks of its own, but this process is a rank of a launcher "
+                "(ASYNCCOLL_RANK or RANK is set): leave -n out to join its world")
+    if args.plot is not None:
+        return _plot_problem(args.plot, args.op)
     if args.backend == "nccl":
         from .transport.nccl import import_nccl
 
@@ -72,6 +89,30 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             import_nccl()
         except ImportError as exc:
             return str(exc)
+    return None
+
+
+def _under_launcher() -> bool:
+    return "ASYNCCOLL_RANK" in os.environ or "RANK" in os.environ
+
+
+def _plot_problem(path: str, ops: str) -> str | None:
+    """Why ``--plot path`` could not be drawn at the end of the run (``None``: it can)."""
+    if ops != "all" and {o.strip() for o in ops.split(",")} == {"barrier"}:
+        return "--plot: barrier moves no bytes, there is no busbw to plot"
+    try:
+        import matplotlib
+        from matplotlib.backend_bases import get_registered_canvas_class
+    except ImportError:
+        return "--plot needs matplotlib (pip install matplotlib)"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path!r}: there is no directory {folder!r}"
+    if not os.access(folder, os.W_OK):
+        return f"--plot {path!r}: cannot write in {folder!r}"
+    fmt = os.path.splitext(path)[1][1:].lower() or str(matplotlib.rcParams["savefig.format"])
+    if get_registered_canvas_class(fmt) is None:
+        return f"--plot {path!r}: matplotlib cannot write {fmt!r} files (try FILE.png)"
     return None
 
 
@@ -87,7 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--iters", type=int, default=0, help="timed iterations (0: by size)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON lines instead of a table: one object per row, with the "
+                        f"keys {', '.join(JSON_KEYS)} (time in us, algbw and busbw in GB/s)")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also plot busbw against size (needs matplotlib)")
 
@@ -126,19 +169,30 @@ def _zeros(comm: Any, count: int, dt: np.dtype[Any]) -> Any:
         return cupy.zeros(count, dt)
 
 
+def shapes(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
+    """(elements of the op's full buffer, the row's count), as nccl-tests sizes them:
+    all_gather, reduce_scatter and all_to_all move whole blocks of every rank (at least one
+    element each), and their count is one block's (all_gather's sendcount, reduce_scatter's
+    recvcount, all_to_all's count per peer); barrier moves nothing."""
+    if op == "barrier":
+        return 0, 0
+    count = max(1, nbytes // itemsize)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        block = max(1, count // n)
+        return block * n, block
+    return count, count
+
+
 async def measure(comm: Any, op: str, nbytes: int, dtype: str, iters: int, warmup: int
                   ) -> dict[str, Any]:
-    """Time ``op`` on ``nbytes`` per rank; every rank must call it. Returns a table row."""
+    """Time ``op`` on ``nbytes`` (the op's full buffer, see ``shapes``); every rank must call
+    it. Returns a table row (the keys of ``JSON_KEYS``)."""
     n = comm.world_size
     dt = np.dtype(dtype)
-    count = max(1, nbytes // dt.itemsize)
-    if op in ("all_gather",):
-        count = max(1, count // n)  # nccl-tests: size is the gathered output
-    if op == "all_to_all":
-        per = max(1, count // n)
-        count = per * n
-    a = _zeros(comm, count, dt)
-    parts = [_zeros(comm, max(1, count // n), dt) for _ in range(n)]
+    total, count = shapes(op, nbytes, dt.itemsize, n)
+    block = total // n
+    a = _zeros(comm, block if op == "all_gather" else total, dt) if total else None
+    parts = [_zeros(comm, block, dt) for _ in range(n)] if op == "all_to_all" else []
 
     async def once() -> None:
         if op == "all_reduce":
@@ -169,9 +223,7 @@ async def measure(comm: Any, op: str, nbytes: int, dtype: str, iters: int, warmu
 
     await comm.all_reduce(worst, op=ReduceOp.MAX)
     t = float(worst[0])
-    size = count * dt.itemsize * (n if op == "all_gather" else 1)
-    if op == "barrier":
-        size = 0
+    size = total * dt.itemsize
     algbw = size / t / 1e9 if t > 0 else 0.0
     return {"op": op, "size": size, "count": count, "dtype": dt.name, "time_us": t * 1e6,
             "algbw": algbw, "busbw": algbw * bus_factor(op, n), "ranks": n,
@@ -250,14 +302,54 @@ async def _local(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(args: argparse.Namespace) -> int:
-    from .cli import _Launcher, _run_loop
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of a rank that ``-n`` starts: these options, without ``-n``, so
+    that it joins the launcher's world (every option of ``add_arguments`` but ``-n``)."""
+    argv = ["-v"] * getattr(args, "verbose", 0)
+    argv += ["bench", f"--backend={args.backend}", f"--op={args.op}",
+             f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}",
+             f"--factor={args.factor}", f"--dtype={args.dtype}", f"--iters={args.iters}",
+             f"--warmup={args.warmup}"]
+    if args.json:
+        argv.append("--json")
+    if args.plot is not None:
+        argv.append(f"--plot={os.path.abspath(args.plot)}")
+    return argv
 
+
+def _launcher(n: int, command: list[str]) -> Any:
+    """The launcher of ``asynccoll run`` for the ranks of ``-n``, but for their standard
+    output: that is the bench's own (rank 0's table or JSON lines), passed on as it is,
+    without the ``[rank]`` before each line (which no JSON reader takes)."""
+    from .cli import _Launcher
+
+    class BenchLauncher(_Launcher):
+        async def _pump(self, rank: int, stream: Any, out: Any) -> None:
+            if out is not sys.stdout:
+                return await super()._pump(rank, stream, out)
+            while chunk := await stream.read(1 << 16):
+                self._write(out, chunk)
+            return None
+
+    return BenchLauncher(n, command, addr="127.0.0.1", port=0, token=os.urandom(16).hex(),
+                         bind="127.0.0.1")
+
+
+def main(args: argparse.Namespace) -> int:
     problem = check_arguments(args)
     if problem is not None:
         sys.stderr.write(f"asynccoll bench: {problem}\n")
         return 2
-    under_launcher = "ASYNCCOLL_RANK" in os.environ or "RANK" in os.environ
+    try:
+        return _start(args)
+    except KeyboardInterrupt:  # Ctrl-C: the rows so far stand; no traceback
+        sys.stderr.write("asynccoll bench: interrupted\n")
+        return 130
+
+
+def _start(args: argparse.Namespace) -> int:
+    from .cli import _run_loop
+
     if args.backend == "mpi":  # MPI's launcher makes the world
         if args.n is not None:
             sys.stderr.write("asynccoll bench: the mpi backend takes its ranks from MPI; "
@@ -268,25 +360,10 @@ def main(args: argparse.Namespace) -> int:
         if args.n is None:
             args.n = 2
         return int(_run_loop(_local(args)))
-    if under_launcher and args.n is None:
-        return int(_run_loop(_in_world(args)))
     if args.n is None:
+        if _under_launcher():
+            return int(_run_loop(_in_world(args)))
         sys.stderr.write("asynccoll bench: give -n N, or start it with `asynccoll run`\n")
         return 2
-    argv = [a for a in sys.argv[1:]]
-    # drop "-n N" / "--nproc N" so the children join the launcher's world
-    cleaned: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("-n", "--nproc"):
-            skip = True
-            continue
-        if a.startswith("--nproc=") or (a.startswith("-n") and a[2:].isdigit()):
-            continue
-        cleaned.append(a)
-    launcher = _Launcher(args.n, [sys.executable, "-m", "asynccoll", *cleaned],
-                         addr="127.0.0.1", port=0, token=os.urandom(16).hex(), bind="127.0.0.1")
+    launcher = _launcher(args.n, [sys.executable, "-m", "asynccoll", *_rank_argv(args)])
     return int(_run_loop(launcher.main()))

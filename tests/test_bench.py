@@ -7,8 +7,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,12 @@ def test_bench_memory_prints_a_row_per_size() -> None:
     (["--min-bytes", "1M", "--max-bytes", "1K"], "--min-bytes (1048576) is larger"),
     (["--min-bytes", "-5"], "a size must be >= 0"),
     (["--max-bytes", "1x"], "not a size: '1x'"),
+    # a traceback from every rank (arrays of another byte order are not taken)
+    (["--backend", "memory", "--dtype", ">f4"], "not this machine's byte order"),
+    # these failed (a traceback, or a note and exit 0) only once every size had run
+    (["--backend", "memory", "--plot", "/nonexistent-dir/b.png"], "there is no directory"),
+    (["-n", "2", "--plot", "bench.txt"], "matplotlib cannot write 'txt' files"),
+    (["--backend", "memory", "--op", "barrier", "--plot", "b.png"], "barrier moves no bytes"),
 ])
 def test_bench_bad_arguments_are_one_line_errors(args: list[str], message: str) -> None:
     """Checked before any rank starts: one line (argparse's usage aside), no traceback,
@@ -343,3 +351,124 @@ def test_compare_runs_every_op_on_every_framework_here(tmp_path: Path) -> None:
                           "all_reduce,alltoall"], capture_output=True, text=True, timeout=60,
                          env=_env(), check=False)
     assert bad.returncode == 2 and "unknown op(s) alltoall" in bad.stderr, bad.stderr
+
+
+def _bench_json(*args: str, env: dict[str, str] | None = None) -> list[dict[str, object]]:
+    """Every line ``asynccoll bench --json`` prints on stdout, read as JSON."""
+    out = subprocess.run([sys.executable, "-m", "asynccoll", "bench", "--json", *args],
+                         capture_output=True, text=True, timeout=110, env=env or _env(),
+                         check=True).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+@pytest.mark.timeout(120)
+def test_bench_json_over_tcp_is_json_lines_of_the_documented_keys() -> None:
+    """`asynccoll bench -n 2 --json` (tcp) printed each row behind the launcher's '[0] '
+    (no line was JSON); every line is now an object with the keys --help names."""
+    rows = _bench_json("-n", "2", "--op", "all_reduce,barrier", "--max-bytes", "64",
+                       "--iters", "3")
+    from asynccoll.bench import JSON_KEYS
+
+    assert [(r["op"], r["size"]) for r in rows] == [
+        ("all_reduce", 8), ("all_reduce", 64), ("barrier", 0)]
+    assert all(tuple(r) == JSON_KEYS and r["backend"] == "tcp" for r in rows), rows
+    usage = subprocess.run([sys.executable, "-m", "asynccoll", "bench", "--help"],
+                           capture_output=True, text=True, timeout=60, env=_env(),
+                           check=True).stdout
+    assert all(key in " ".join(usage.split()) for key in JSON_KEYS), usage
+
+
+def test_bench_sizes_and_counts_follow_nccl_tests() -> None:
+    """nccl-tests: all_gather, reduce_scatter and all_to_all move whole blocks of every rank
+    (size: the full buffer), count is one block's (sendcount, recvcount, per peer); 3 ranks,
+    64 bytes of float32 is 5 elements a rank. reduce_scatter reported 64 B and 16 elements
+    (an uneven split) and all_to_all 15 elements; barrier 1 element of 0 bytes."""
+    rows = _bench_json("--backend", "memory", "-n", "3", "--op", "all", "--min-bytes", "64",
+                       "--max-bytes", "64", "--iters", "2", "--warmup", "0")
+    got = {r["op"]: (r["size"], r["count"]) for r in rows}
+    assert got == {"all_reduce": (64, 16), "broadcast": (64, 16), "all_gather": (60, 5),
+                   "reduce_scatter": (60, 5), "all_to_all": (60, 5), "barrier": (0, 0)}
+    factor = {"all_reduce": 4 / 3, "broadcast": 1.0, "all_gather": 2 / 3,
+              "reduce_scatter": 2 / 3, "all_to_all": 2 / 3}
+    for r in rows:
+        if r["size"]:
+            assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3), r
+            assert r["busbw"] == pytest.approx(r["algbw"] * factor[r["op"]]), r
+
+
+@pytest.mark.parametrize("argv", [["-n", "2"], ["-n=2"], ["--nproc=2"], ["--npro", "2"],
+                                  ["--n=2"], ["-n2"]])
+def test_bench_ranks_it_starts_get_its_options_without_n(argv: list[str]) -> None:
+    """The ranks that -n starts ran `asynccoll bench` with the command line less '-n N' as
+    spelt exactly so: '-n=2', '--npro 2' (argparse's abbreviation) or '--n=2' went on to every
+    rank, which started ranks of its own, without end. They now get the parsed options."""
+    from asynccoll import bench, cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["-v", "bench", *argv, "--op", "all_gather,broadcast",
+                              "--min-bytes", "1K", "--max-bytes", "4K", "--factor", "2",
+                              "--dtype", "float64", "--iters", "7", "--warmup", "1",
+                              "--json", "--plot", "out.png"])
+    assert args.n == 2
+    again = parser.parse_args(bench._rank_argv(args))
+    assert again.n is None and again.verbose == 1
+    expect = {**vars(args), "n": None, "plot": os.path.abspath("out.png")}
+    assert vars(again) == expect
+
+
+def test_bench_n_under_a_launcher_is_an_error() -> None:
+    """-n inside a rank of `asynccoll run` started a second world per rank (tables printed
+    twice, each over ranks of its own); now a one-line error."""
+    env = _env()
+    env.update(ASYNCCOLL_RANK="0", ASYNCCOLL_WORLD_SIZE="2")
+    res = subprocess.run([sys.executable, "-m", "asynccoll", "bench", "-n", "2", "--max-bytes",
+                          "8", "--iters", "2"], capture_output=True, text=True, timeout=60,
+                         env=env, check=False)
+    assert res.returncode == 2 and not res.stdout, res.stdout + res.stderr
+    assert res.stderr.startswith("asynccoll bench: -n starts ranks of its own"), res.stderr
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(tmp_path: Path) -> None:
+    """--plot without matplotlib ran every size, then wrote a note and exited 0 with no plot;
+    it is now an error before any rank starts."""
+    fake = tmp_path / "site" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp_path / 'site'}{os.pathsep}{env['PYTHONPATH']}"
+    for backend in ("memory", "tcp"):
+        res = subprocess.run([sys.executable, "-m", "asynccoll", "bench", "--backend", backend,
+                              "-n", "2", "--max-bytes", "8", "--iters", "2", "--plot",
+                              str(tmp_path / "b.png")],
+                             capture_output=True, text=True, timeout=60, env=env, check=False)
+        assert res.returncode == 2 and not res.stdout, (backend, res.stdout + res.stderr)
+        assert res.stderr == "asynccoll bench: --plot needs matplotlib (pip install " \
+                             "matplotlib)\n", res.stderr
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+def test_bench_ctrl_c_ends_without_tracebacks(backend: str) -> None:
+    """Ctrl-C during a run printed a KeyboardInterrupt/CancelledError traceback (some 50
+    lines from the process, 150 over two ranks); now one line each and exit status 130, the
+    rows measured so far printed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asynccoll", "bench", "--backend", backend, "-n", "2", "--op",
+         "all_reduce", "--max-bytes", "64K", "--iters", "100000", "--warmup", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while not any(line.split()[:1] == ["8"] for line in lines):  # the first row is out
+            line = proc.stdout.readline()
+            assert line, "the bench ended before its first row"
+            lines.append(line)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "asynccoll bench: interrupted" in err, err
