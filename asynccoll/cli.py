@@ -253,6 +253,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.n < 1:
         sys.stderr.write("asynccoll run: -n must be >= 1\n")
         return 2
+    if args.script[:1] == ["--"]:  # ``run -n 2 -m -- module --its-options``
+        args.script = args.script[1:]
     if not args.script:
         sys.stderr.write("asynccoll run: give a script (or -m module) to run\n")
         return 2

@@ -281,6 +281,22 @@ def test_run_output_lines_longer_than_a_mebibyte_are_passed_on_whole(
         assert f"[{r}] after" in proc.lines, out[-2000:]
 
 
+@pytest.mark.parametrize("module", [False, True])
+def test_run_passes_dashed_arguments_after_a_double_dash(reaper: Callable[..., Proc],
+                                                         tmp_path: Path, module: bool) -> None:
+    """``asynccoll run -n 2 -m -- mod --flag -n 5``: the '--' that ends the launcher's own
+    options went on to Python as the module name ('No module named --'); with a script it
+    happened to work. Both run the program with its arguments as given."""
+    (tmp_path / "show_args.py").write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
+    target = ["-m", "--", "show_args"] if module else ["--", str(tmp_path / "show_args.py")]
+    proc = reaper(launcher("-n", "2", *target, "--flag", "-n", "5", "--"),
+                  clean_env(PYTHONPATH=os.pathsep.join((str(tmp_path), str(REPO)))))
+    code = proc.finish(60)
+    assert code == 0, proc.output
+    for r in range(2):
+        assert f"[{r}] ARGS ['--flag', '-n', '5', '--']" in proc.lines, proc.output
+
+
 def test_info() -> None:
     res = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=30, check=False)
