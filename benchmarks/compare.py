@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +68,34 @@ def collect(output: str) -> list[dict[str, Any]]:
     return rows
 
 
+#: the framework runs that failed (a command and its exit status): main's exit status is 1
+FAILED: list[str] = []
+
+
 def run(cmd: list[str], timeout: float, extra_env: dict[str, str] | None = None
         ) -> list[dict[str, Any]]:
     e = env()
     e.update(extra_env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e,
-                          check=False)
-    if proc.returncode != 0:
-        sys.stderr.write(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n"
-                         f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n")
-    return collect(proc.stdout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=e)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        status = str(proc.returncode)
+    except subprocess.TimeoutExpired:
+        # the launcher (asynccoll run, mpirun) stops the ranks it started on SIGTERM; a
+        # SIGKILL would leave them running on, loading the cores the next framework is timed on
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        status = f"timed out after {timeout:g} s"
+    if status != "0":
+        FAILED.append(f"{' '.join(cmd[:6])} ... ({status})")
+        sys.stderr.write(f"{' '.join(cmd[:6])} ... failed ({status}):\n"
+                         f"{out[-2000:]}\n{err[-2000:]}\n")
+    return collect(out)
 
 
 def bench_asynccoll(n: int, args: list[str], timeout: float) -> list[dict[str, Any]]:
@@ -94,16 +113,24 @@ def bench_gloo(n: int, args: list[str], timeout: float) -> list[dict[str, Any]]:
             [sys.executable, WORKER, "gloo", *args, "--port", str(port)], env=e,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
     try:
         for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=timeout)
+            try:
+                out, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                FAILED.append(f"gloo ({n} ranks, timed out after {timeout:g} s)")
+                sys.stderr.write(f"gloo ({n} ranks) timed out after {timeout:g} s\n")
+                break
             if p.returncode != 0:
+                FAILED.append(f"gloo rank {rank} ({p.returncode})")
                 sys.stderr.write(f"gloo rank {rank} failed ({p.returncode}): {err[-2000:]}\n")
             rows += collect(out)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.communicate()
     return rows
 
 
@@ -212,8 +239,10 @@ def check_targets(rows: list[dict[str, Any]]) -> str:
                          + " | ".join(parts))
     if not checked:
         return "# targets: none of their rows are in this run"
+    left = 2 * len(TARGETS) - checked
+    rest = f" ({left} of the {2 * len(TARGETS)} not in this run)" if left else ""
     return "\n".join(["# the performance issue's targets", *lines,
-                      f"# met {met} of {checked}"])
+                      f"# met {met} of {checked}{rest}"])
 
 
 def probes(rows: list[dict[str, Any]]) -> str:
@@ -297,19 +326,48 @@ def main(argv: list[str] | None = None) -> int:
                         "each round: a burst of load then spreads over the frameworks at the "
                         "scale of one op, not of a whole run")
     a = p.parse_args(argv)
+
+    def saved_rows(path: str) -> list[dict[str, Any]]:
+        try:
+            rows = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            p.error(f"cannot read the rows of {path}: {exc}")
+        if not isinstance(rows, list) or not all(
+                isinstance(r, dict) and {"framework", "op", "ranks", "size", "time_us"} <= set(r)
+                for r in rows):
+            p.error(f"{path} is not the --json file of a compare.py run")
+        return rows
+
     if a.replot:
         if not a.plot:
             p.error("--replot needs --plot FILE.png")
-        plot(json.loads(Path(a.replot).read_text()), a.plot)
+        plot(saved_rows(a.replot), a.plot)
         return 0
     if a.load:
-        saved: list[dict[str, Any]] = json.loads(Path(a.load).read_text())
+        saved = saved_rows(a.load)
         report(saved, sorted({r["framework"] for r in saved} - {"asynccoll"}), a)
         return 0
     unknown = [op for op in a.ops.split(",") if op not in ALL_OPS]
     if unknown:
         p.error(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(ALL_OPS)}")
-    sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
+    if min(a.ranks) < 1:
+        p.error(f"-n must be >= 1, got {min(a.ranks)}")
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
+    try:
+        sizes = ",".join(str(parse_size(s)) for s in a.sizes.split(","))
+    except ValueError:
+        p.error(f"--sizes {a.sizes!r}: give sizes such as 8,64K,1M")
+    if any(int(s) < 0 for s in sizes.split(",")):
+        p.error(f"--sizes {a.sizes!r}: a size must be >= 0")
+    if a.timeout <= 0:
+        p.error(f"--timeout must be > 0, got {a.timeout:g}")
+    # (both are written after the whole run: a mistake here would cost it)
+    for option, path in (("--json", a.json), ("--plot", a.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            p.error(f"{option} {path}: there is no directory {Path(path).resolve().parent}")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib)")
     why = available()
     peers = []
     for peer in [x for x in a.peers.split(",") if x]:
@@ -335,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     report(rows, peers, a)
+    if FAILED:  # the table lacks their rows: not a run to take the figures of
+        sys.stderr.write(f"compare.py: {len(FAILED)} run(s) failed: {'; '.join(FAILED)}\n")
+        return 1
     return 0
 
 

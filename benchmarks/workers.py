@@ -310,7 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per size, at least")
     p.add_argument("--port", type=int, default=0, help="gloo's TCP store port")
     args = p.parse_args(argv)
-    {"asynccoll": run_asynccoll, "gloo": run_gloo, "mpi": run_mpi}[args.framework](args)
+    try:
+        {"asynccoll": run_asynccoll, "gloo": run_gloo, "mpi": run_mpi}[args.framework](args)
+    except KeyboardInterrupt:  # stopped (compare.py's --timeout): no traceback per rank
+        sys.stderr.write(f"{args.framework} worker: interrupted\n")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,8 @@ def test_compare_checks_the_targets_of_a_saved_run(tmp_path: Path) -> None:
          "--targets"], capture_output=True, text=True, timeout=60, env=_env(), check=True)
     assert ("all_gather 1M vs mpi, busbw x >= 1.0: 2r 1.200 met (150.0 vs 180.0 us, probes 85/86)"
             " | 4r 0.846 MISSED (1300.0 vs 1100.0 us, probes 130/90)") in proc.stdout, proc.stdout
-    assert "# met 1 of 2" in proc.stdout
+    # 'met 1 of 2' alone read as every target checked: it says how many the run lacks
+    assert "# met 1 of 2 (22 of the 24 not in this run)" in proc.stdout, proc.stdout
     assert "asynccoll 2r 85, asynccoll 4r 130, mpi 2r 86, mpi 4r 90" in proc.stdout
 
 
@@ -472,3 +473,71 @@ def test_bench_ctrl_c_ends_without_tracebacks(backend: str) -> None:
             proc.communicate()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "asynccoll bench: interrupted" in err, err
+
+
+def _workers_running(marker: str) -> list[int]:
+    """The pids of benchmark workers whose command line holds ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "workers.py" in cmdline and marker in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_compare_timeout_stops_the_ranks_and_fails() -> None:
+    """A framework run past --timeout crashed compare.py (TimeoutExpired, the other
+    frameworks' rows lost) and SIGKILLed the launcher, whose ranks ran on, orphaned, loading
+    the cores the next framework was timed on. Now the launcher is stopped with its ranks,
+    the run goes on and compare.py exits 1 naming the run."""
+    size = 65536 + 4 * (os.getpid() % 1000)  # marks this test's workers
+    sizes = ",".join([str(size)] * 40)  # a few seconds of 64 KiB all_reduces
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "-n", "2", "--peers", "",
+         "--ops", "all_reduce", "--sizes", sizes, "--timeout", "2.5"],
+        capture_output=True, text=True, timeout=100, env=_env(), check=False)
+    left = _workers_running(f"--sizes {sizes}")
+    for pid in left:  # (before the fix) not to leave them to the next tests
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks left running: {left}"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "1 run(s) failed" in proc.stderr and "timed out after 2.5 s" in proc.stderr, \
+        proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "8,1x"], "--sizes '8,1x': give sizes such as 8,64K,1M"),
+    (["--sizes", "8,,16"], "--sizes '8,,16'"),
+    (["-n", "0"], "-n must be >= 1, got 0"),  # an empty table, exit 0
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),  # an empty table, exit 0
+    (["--timeout", "0"], "--timeout must be > 0"),
+    (["--json", "/nonexistent-dir/rows.json"], "--json /nonexistent-dir/rows.json: there is no"),
+    (["--load", "/nonexistent-dir/rows.json"], "cannot read the rows of /nonexistent-dir"),
+])
+def test_compare_bad_arguments_are_one_line_errors(args: list[str], message: str) -> None:
+    """Tracebacks (a bad size, a missing file) or a run of nothing, before; now argparse's
+    error, exit 2, before anything runs."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--peers",
+                          "", *args], capture_output=True, text=True, timeout=60, env=_env(),
+                         check=False)
+    assert res.returncode == 2 and not res.stdout, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and message in res.stderr.splitlines()[-1], res.stderr
+
+
+def test_compare_load_of_a_bench_json_is_an_error(tmp_path: Path) -> None:
+    """--load of `asynccoll bench --json` lines (not compare.py's --json) was a traceback."""
+    rows = tmp_path / "bench.json"
+    rows.write_text(json.dumps({"op": "all_reduce", "size": 8, "count": 2, "dtype": "float32",
+                                "time_us": 10.0, "algbw": 0.0, "busbw": 0.0, "ranks": 2,
+                                "backend": "tcp"}) + "\n")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--load",
+                          str(rows), "--targets"], capture_output=True, text=True, timeout=60,
+                         env=_env(), check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "is not the --json file of a compare.py run" in res.stderr, res.stderr
