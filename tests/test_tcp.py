@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -333,6 +334,25 @@ async def test_two_processes_with_one_rank_number_are_told_apart() -> None:
             assert "never joined: rank 2" in str(exc), exc
     finally:
         await server.close()
+
+
+async def test_rank_0_hosting_on_a_port_in_use_names_the_rendezvous() -> None:
+    """MASTER_PORT taken by another program: rank 0 raised asyncio's 'error while attempting
+    to bind on address ('127.0.0.1', P): address already in use', naming neither the
+    rendezvous nor what to change. Still an OSError (EADDRINUSE), now saying both."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as excinfo:
+            await tcp_init(rank=0, world_size=2, addr="127.0.0.1", port=port, token=TOKEN,
+                           timeout=5.0)
+    assert time.monotonic() - t0 < 2.0
+    assert excinfo.value.errno == errno.EADDRINUSE, excinfo.value
+    message = str(excinfo.value)
+    assert f"rank 0 cannot host the rendezvous on 127.0.0.1:{port}" in message, message
+    assert "ASYNCCOLL_PORT" in message, message
 
 
 async def test_world_with_different_tokens_cannot_form() -> None:

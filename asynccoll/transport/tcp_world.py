@@ -11,8 +11,10 @@ connections and the data path are in ``asynccoll.transport.tcp``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import os
+import socket
 from typing import Any
 
 from .._aio import is_loopback, uncancelled
@@ -87,6 +89,20 @@ def _bind_address(addr: str) -> str:
     except ValueError:
         return addr  # a host name: bound as it resolves
     return str(mapped) if mapped is not None else addr
+
+
+def _hosting_error(exc: OSError, rank: int, where: str) -> OSError:
+    """``exc``, raised binding the rendezvous rank ``rank`` hosts, saying so and what to
+    change (the same errno; a lookup error as it is)."""
+    if exc.errno is None or exc.errno <= 0 or isinstance(exc, socket.gaierror):
+        return exc
+    if exc.errno == errno.EADDRNOTAVAIL:
+        fix = "ASYNCCOLL_ADDR/MASTER_ADDR must be an address of rank 0's machine"
+    else:
+        fix = ("ASYNCCOLL_PORT/MASTER_PORT name another port, ASYNCCOLL_RENDEZVOUS a running "
+               "rendezvous")
+    return OSError(exc.errno, f"rank {rank} cannot host the rendezvous on {where}: "
+                              f"{os.strerror(exc.errno).lower()} ({fix})")
 
 
 def _local_ip(client: Any) -> str:
@@ -184,7 +200,10 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         # the address the ranks reach it on (127.0.0.2 too: a socket bound to 127.0.0.1
         # does not answer there), IPv4 for "localhost" and an IPv4-mapped address
         server = RendezvousServer(_bind_address(addr), rdv_port, token=token)
-        await server.start()
+        try:
+            await server.start()
+        except OSError as exc:  # asyncio's message names neither the rendezvous nor the fix
+            raise _hosting_error(exc, rank, f"{_bind_address(addr)}:{rdv_port}") from exc
         rdv_port = server.port
     transport: TcpTransport | None = None
     client = None
