@@ -914,17 +914,29 @@ def _check_item(x: Any, what: str) -> np.ndarray:
     return check_ndim(_check_array(x, what), what)
 
 
+def _tested(req: Any) -> bool:
+    return bool(req.Test())
+
+
 async def _dup_comms(mpi: Any, comm: Any, n: int, timeout: float,
                      check: Callable[[], None]) -> list[Any]:
-    """``n`` duplicates of ``comm`` (MPI_Comm_idup: collective, but never blocks the loop)."""
-    made = [comm.Idup() for _ in range(n)]
-    reqs = [req for _, req in made]
+    """``n`` duplicates of ``comm`` (MPI_Comm_idup: collective, but never blocks the loop).
+
+    One at a time: Open MPI 4.1 runs the context-id agreement rounds of idups in flight
+    together on one communicator in whatever order each process progresses them, so where
+    the processes hold different communicators (several rounds to agree: subgroups made over
+    overlapping ranks) one process's idup now and then never completed. Each wait spins as
+    a collective's does: an agreement takes a round trip per context id tried."""
     loop = asyncio.get_running_loop()
-    await poll(lambda: bool(mpi.Request.Testall(reqs)), deadline=loop.time() + timeout,
-               check=check, on_timeout=lambda: CollectiveTimeout(
-                   f"MPI communicator creation made no progress within {timeout:g} s: did "
-                   f"every process call it?"))
-    return [c for c, _ in made]
+    made: list[Any] = []
+    for _ in range(n):
+        dup, req = comm.Idup()
+        await poll(functools.partial(_tested, req), deadline=loop.time() + timeout,
+                   check=check, spin=WAIT_SPIN_SECONDS, on_timeout=lambda: CollectiveTimeout(
+                       f"MPI communicator creation made no progress within {timeout:g} s: "
+                       f"did every process call it?"))
+        made.append(dup)
+    return made
 
 
 async def mpi_init(*, rank: int | None = None, world_size: int | None = None,
