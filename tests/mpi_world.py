@@ -403,3 +403,35 @@ async def test_mpi_overlapping_subgroups_made_one_after_another() -> None:
     for r, sums in enumerate(got):
         want = [float(sum(m + 1 for m in p)) for _ in range(12) for p in pairs if r in p]
         assert sums == want, f"rank {r}: {sums}"
+
+
+async def test_mpi_a_rank_that_gave_up_leaves_the_next_world_working() -> None:
+    """Rank 1's recv times out (it breaks the world and sends the others its abort message)
+    while ranks 0 and 2, which never look, close the world. The next world's communicators
+    used to hang (new_group: CollectiveTimeout, every time): the world's ``ctrl``
+    communicator was freed on 0 and 2 with the abort on its way, and Open MPI handed that
+    message to the next communicator given the freed context id, in place of a real one."""
+    from mpi4py import MPI
+
+    first = await asynccoll.init(backend="mpi", timeout=0.3)
+    if first.rank == 1:
+        with pytest.raises(CollectiveTimeout):
+            await first.recv(0, tag=9)
+    await asyncio.sleep(0.8)
+    await first.close()
+    MPI.COMM_WORLD.Barrier()
+
+    async def fn(comm: Communicator) -> list[float]:
+        made, sums = [], []
+        for _ in range(12):
+            for members in ([0, 1], [0, 2], [1, 2]):
+                sub = await comm.new_group(members)
+                if sub is not None:
+                    made.append(sub)
+                    sums.append(float((await sub.all_reduce(np.ones(2)))[0]))
+        for sub in made:
+            await sub.close()
+        return sums
+
+    for r, sums in enumerate(await run_world(fn, W, "mpi", timeout=5.0)):
+        assert sums == [2.0] * 24, f"rank {r}: {sums}"

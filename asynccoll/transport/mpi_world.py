@@ -306,7 +306,11 @@ class MpiWorld:
             for mop in self._ops.values():
                 mop.Free()
             self._ops.clear()
-            _free(self.mpi, self.ctrl)
+        # ``ctrl`` is never freed: a peer that failed may send its abort message to this rank
+        # at any time, also after this rank closed without reading it. Open MPI keeps a
+        # message for a freed communicator and hands it to the next communicator given that
+        # context id, where it takes the place of a real one: that communicator's
+        # first calls never completed (a later world's new_group, CollectiveTimeout)
 
 
 def _free(mpi: Any, comm: Any) -> None:
