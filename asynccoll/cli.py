@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import secrets
+import select
 import signal
 import sys
 from collections.abc import Sequence
@@ -33,6 +34,23 @@ def _run_loop(coro: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------- launcher
+
+def _write_all(stream: Any, data: bytes) -> None:
+    """Write all of ``data`` to a binary stream and flush it. Under ``python -u`` (or
+    ``PYTHONUNBUFFERED``) ``sys.stdout.buffer`` is a raw file, whose ``write`` may take
+    only part (a full pipe and a signal, as SIGCHLD when a rank exits); a non-blocking one may
+    take nothing for now."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = stream.write(view)
+        except BlockingIOError as exc:
+            n = exc.characters_written
+        if not n:
+            select.select([], [stream], [], 1.0)  # writable again, or try anyway
+        view = view[n or 0:]
+    stream.flush()
+
 
 #: Variables that size BLAS / OpenMP thread pools; ``run`` sets OMP_NUM_THREADS if none is set.
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -125,8 +143,7 @@ class _Launcher:
         if out in self.closed_outputs:
             return  # still read, so that the rank never blocks on a full pipe
         try:
-            out.buffer.write(data)
-            out.buffer.flush()
+            _write_all(out.buffer, data)
         except BrokenPipeError:
             # whoever read our output stopped (``asynccoll run ... | head``): the job goes
             # on, its output to that stream is dropped, and nothing left in the stream's

@@ -9,7 +9,9 @@ still alive at teardown, so a failing test never leaves processes behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
 import os
 import random
 import re
@@ -21,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -295,6 +298,46 @@ def test_run_passes_dashed_arguments_after_a_double_dash(reaper: Callable[..., P
     assert code == 0, proc.output
     for r in range(2):
         assert f"[{r}] ARGS ['--flag', '-n', '5', '--']" in proc.lines, proc.output
+
+
+async def test_run_output_survives_a_stdout_that_takes_part_of_each_write() -> None:
+    """Under PYTHONUNBUFFERED (set in many containers) the launcher's sys.stdout.buffer is a
+    raw file, whose write takes only part of the data when a signal (SIGCHLD: a rank exited)
+    interrupts it on a full pipe; the launcher dropped the rest (output read through a pipe
+    lost hundreds of KB and ran one rank's piece into another's). Every byte goes out."""
+    from asynccoll.cli import _Launcher
+
+    class ShortWrites(io.RawIOBase):
+        """Takes at most 1000 bytes a call, and nothing every third call."""
+
+        def __init__(self) -> None:
+            self.got = bytearray()
+            self.calls = 0
+
+        def writable(self) -> bool:
+            return True
+
+        def fileno(self) -> int:
+            return 1
+
+        def write(self, b: Any) -> int | None:
+            self.calls += 1
+            if self.calls % 3 == 0:
+                return None
+            n = min(len(b), 1000)
+            self.got += bytes(b[:n])
+            return n
+
+    class Out:
+        buffer = ShortWrites()
+
+    stream = asyncio.StreamReader(limit=1 << 20)
+    stream.feed_data(b"x" * 300_000 + b"\nafter\n")
+    stream.feed_eof()
+    launcher = _Launcher(1, ["script.py"], addr="127.0.0.1", port=0, token="t",
+                         bind="127.0.0.1")
+    await asyncio.wait_for(launcher._pump(3, stream, Out), 30)
+    assert bytes(Out.buffer.got) == b"[3] " + b"x" * 300_000 + b"\n[3] after\n"
 
 
 def test_info() -> None:
