@@ -161,6 +161,8 @@ class _Launcher:
         code = await proc.wait()
         if code == 0:
             self.succeeded += 1
+        elif self.interrupted:
+            pass  # stopped by the Ctrl-C (or SIGTERM, SIGHUP) that main reports
         elif self.elastic is not None and not self.stopping:
             # elastic: the others re-form without it; a replacement joins if restarts are left
             log.warning("rank %d exited with %s; the others go on", rank, code)
