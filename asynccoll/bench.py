@@ -193,12 +193,14 @@ async def measure(comm: Any, op: str, nbytes: int, dtype: str, iters: int, warmu
     block = total // n
     a = _zeros(comm, block if op == "all_gather" else total, dt) if total else None
     parts = [_zeros(comm, block, dt) for _ in range(n)] if op == "all_to_all" else []
+    # all_gather into a buffer kept across calls, as nccl-tests (and compare.py's workers) do
+    gathered = _zeros(comm, total, dt) if op == "all_gather" and total else None
 
     async def once() -> None:
         if op == "all_reduce":
             await comm.all_reduce(a)
         elif op == "all_gather":
-            await comm.all_gather(a)
+            await comm.all_gather(a, out=gathered)
         elif op == "reduce_scatter":
             await comm.reduce_scatter(a)
         elif op == "broadcast":
