@@ -119,6 +119,42 @@ async def test_a_standalone_rendezvous_serves_one_world_after_another() -> None:
         await server.close()
 
 
+async def test_a_rank_forming_the_next_world_while_a_peer_closes_the_last_one() -> None:
+    """What ``asynccoll run`` does when a script forms one world after another (close, then
+    init again: the launcher's rendezvous serves them all). Rank 0 closes its world and joins
+    the next while rank 1 still holds the old one open: the old roster, which every member
+    has read, belongs to a world already formed, so rank 0's join starts the next roster
+    instead of taking rank 1's old address from it (it dialled rank 1's old world and failed
+    with PeerLostError, or waited for its timeout)."""
+    server = RendezvousServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+
+    def init(rank: int) -> Any:
+        return tcp_init(rank=rank, world_size=2, addr="127.0.0.1", port=server.port,
+                        timeout=5.0, token=TOKEN, host_rendezvous=False)
+
+    try:
+        old = await asyncio.gather(init(0), init(1))
+        await asyncio.gather(*(c.barrier() for c in old))
+        await old[0].close()
+        first = asyncio.create_task(init(0))        # rank 0 joins the next world ...
+        await asyncio.sleep(0.3)
+        assert not first.done()                     # ... and waits for the new rank 1
+        await old[1].close()                        # rank 1 is done with the old world
+        second = await init(1)
+        comms = [await first, second]
+        try:
+            xs = [np.full(4, r + 1, np.float32) for r in range(2)]
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+            for x in xs:
+                np.testing.assert_array_equal(x, np.full(4, 3, np.float32))
+        finally:
+            for c in comms:
+                await c.close()
+    finally:
+        await server.close()
+
+
 def peer_address(comm: Communicator) -> tuple[str, int]:
     t = comm.transport
     assert isinstance(t, TcpTransport)

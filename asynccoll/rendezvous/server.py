@@ -457,6 +457,7 @@ class RendezvousServer:
         generation = _arg_int(args, "generation", 0, _I64_MAX, optional=True)
         timeout = _arg_timeout(args)
         store = self.store
+        caller = self._caller  # (a later answer runs when another request is the caller)
 
         def ready() -> bool:
             if generation is not None and store.generation != generation:
@@ -464,13 +465,13 @@ class RendezvousServer:
             return world_size is None or len(store.members) >= world_size
 
         if ready():
-            return store.roster()
+            return store.roster(caller, world_size)
 
         async def later() -> _Result:
             await self._bounded(
                 self._wait_until(("roster",), ready), timeout,
                 lambda: f"{world_size} ranks to join the roster (have {len(store.members)})")
-            return store.roster()
+            return store.roster(caller, world_size)
         return later
 
     def _op_generation(self, args: dict[str, Any], payload: bytes) -> _Result:

@@ -20,6 +20,9 @@ class Member:
     port: int
     meta: dict[str, Any]
     owner: int = 0
+    #: whether ``owner`` has been answered a full roster (``roster`` with a ``world_size``
+    #: that the members met): once every member has, their world has every address it needs
+    read: bool = False
 
 
 @dataclass(slots=True)
@@ -59,12 +62,16 @@ class Store:
 
     def join(self, rank: int, host: str, port: int, meta: dict[str, Any], owner: int = 0,
              live: Collection[int] | None = None) -> int:
-        """Add (or replace) ``rank``'s entry, joined by connection ``owner``. Given the
-        connections still open (``live``), a roster none of whose members' connections is
-        among them belongs to a world that is over, and is cleared first: a standalone
-        server then serves one world after another."""
-        if live is not None and self.members and not any(
-                m.owner in live for m in self.members.values()):
+        """Add (or replace) ``rank``'s entry, joined by connection ``owner``. A roster that
+        belongs to another world is cleared first, so that a standalone server (the
+        launcher's, say) serves one world after another: one that every member has read in
+        full (that world formed, or is forming, from what it read; this join is the next
+        world's, or a stray), or, given the connections still open (``live``), one none of
+        whose members' connections is among them (that world is over)."""
+        if self.members and (
+                all(m.read for m in self.members.values())
+                or (live is not None and not any(m.owner in live
+                                                 for m in self.members.values()))):
             self.members.clear()
         self.members[rank] = Member(host, port, meta, owner)
         return self.generation
@@ -79,9 +86,15 @@ class Store:
         self.members.clear()
         return True, self.generation
 
-    def roster(self) -> tuple[dict[str, Any], bytes]:
+    def roster(self, reader: int | None = None, world_size: int | None = None
+               ) -> tuple[dict[str, Any], bytes]:
         """The ``roster`` result: meta, and the members as a msgpack array in the payload
-        (a large world would not fit the 64 KiB header)."""
+        (a large world would not fit the 64 KiB header). Asked by connection ``reader`` for
+        ``world_size`` members, and there are as many, the members it joined have read it."""
+        if reader is not None and world_size is not None and len(self.members) >= world_size:
+            for m in self.members.values():
+                if m.owner == reader:
+                    m.read = True
         members = [[rank, m.host, m.port, m.meta] for rank, m in sorted(self.members.items())]
         return ({"generation": self.generation, "count": len(members)},
                 msgpack.packb(members, use_bin_type=True))
