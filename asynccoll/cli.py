@@ -41,15 +41,17 @@ def _write_all(stream: Any, data: bytes) -> None:
     only part (a full pipe and a signal, as SIGCHLD when a rank exits); a non-blocking one may
     take nothing for now."""
     view = memoryview(data)
-    while view:
+    while True:
         try:
-            n = stream.write(view)
+            if not view:
+                stream.flush()  # (a buffered one's flush may find the pipe full too)
+                return
+            n = stream.write(view) or 0
         except BlockingIOError as exc:
-            n = exc.characters_written
+            n = exc.characters_written if view else 0
         if not n:
             select.select([], [stream], [], 1.0)  # writable again, or try anyway
-        view = view[n or 0:]
-    stream.flush()
+        view = view[n:]
 
 
 #: Variables that size BLAS / OpenMP thread pools; ``run`` sets OMP_NUM_THREADS if none is set.

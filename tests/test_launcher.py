@@ -340,6 +340,47 @@ async def test_run_output_survives_a_stdout_that_takes_part_of_each_write() -> N
     assert bytes(Out.buffer.got) == b"[3] " + b"x" * 300_000 + b"\n[3] after\n"
 
 
+def test_run_output_survives_a_non_blocking_stdout_pipe(tmp_path: Path) -> None:
+    """A launcher whose stdout is a non-blocking pipe (O_NONBLOCK set on it by whoever shares
+    it) with a reader that falls behind: without PYTHONUNBUFFERED, the flush of its buffered
+    stdout raised BlockingIOError, a traceback ended the launcher and most of the output was
+    lost. It waits until the pipe takes the rest."""
+    script = tmp_path / "loud.py"
+    script.write_text("for i in range(1500):\n    print(f'line {i:05d} ' + 'x' * 1000)\n")
+    env = clean_env()
+    del env["PYTHONUNBUFFERED"]
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "asynccoll", "run", "-n", "2", str(script)], cwd=REPO,
+            env=env, stdin=subprocess.DEVNULL, stdout=w, stderr=subprocess.PIPE,
+            start_new_session=True)
+    finally:
+        os.close(w)
+    got = bytearray()
+    try:
+        time.sleep(1.0)  # the ranks fill the pipe meanwhile
+        deadline = time.monotonic() + 60
+        with open(r, "rb", buffering=0) as reader:
+            while time.monotonic() < deadline:
+                piece = reader.read(1 << 16)
+                if not piece:
+                    break
+                got += piece
+        _, err = popen.communicate(timeout=60)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    assert popen.returncode == 0, err.decode(errors="replace")[-2000:]
+    lines = got.decode().splitlines()
+    for rank in range(2):
+        assert [ln for ln in lines if ln.startswith(f"[{rank}] ")] == [
+            f"[{rank}] line {i:05d} " + "x" * 1000 for i in range(1500)]
+    assert len(lines) == 3000
+
+
 def test_info() -> None:
     res = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=30, check=False)
