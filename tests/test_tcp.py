@@ -938,7 +938,8 @@ async def test_authenticated_peer_breaking_the_protocol(bad: str) -> None:
         recv = asyncio.ensure_future(comms[0].recv(src=2, tag=5))
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            await client_handshake(reader, writer, TOKEN, role="peer", rank=1, timeout=5)
+            await client_handshake(reader, writer, TOKEN, role="peer", rank=1,
+                                   job=comms[0].transport.job, timeout=5)  # type: ignore[attr-defined]
             writer.write(_spoofed_p2p() if bad == "wrong-src" else _malformed_header())
             await writer.drain()
             with pytest.raises(PeerLostError) as excinfo:
@@ -951,6 +952,122 @@ async def test_authenticated_peer_breaking_the_protocol(bad: str) -> None:
             with contextlib.suppress(BaseException):
                 await recv
             await close_writer(writer)
+
+
+async def _world_still_sums(comms: list[Communicator]) -> None:
+    xs = [np.full(1000, c.rank + 1.0) for c in comms]
+    async with asyncio.timeout(10):
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+    total = sum(range(1, len(comms) + 1))
+    for x in xs:
+        np.testing.assert_array_equal(x, np.full(1000, float(total)))
+    for c in comms:
+        assert c.transport.broken is None
+
+
+async def test_a_rank_of_another_world_on_the_same_rendezvous_is_refused(logs: LogWatch) -> None:
+    """Two worlds formed one after the other on one rendezvous (as under ``asynccoll run``),
+    both alive, with the same token: a rank of the first that dials a rank of the second
+    (an address gone stale, its port taken by the new world) was accepted as a rank of the
+    second, and its frames were received there: world B's rank 0 took world A's rank 1's
+    data for its own rank 1's. Each world's job id is now the digest of its roster: the
+    stray connection is refused (``job mismatch``) and logged, world B goes on."""
+    server = RendezvousServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+
+    def init(rank: int) -> Any:
+        return tcp_init(rank=rank, world_size=2, addr="127.0.0.1", port=server.port,
+                        timeout=10.0, token=TOKEN, host_rendezvous=False)
+
+    a: list[Communicator] = []
+    b: list[Communicator] = []
+    try:
+        a = list(await asyncio.gather(init(0), init(1)))
+        await asyncio.gather(*(c.barrier() for c in a))
+        b = list(await asyncio.gather(init(0), init(1)))
+        await asyncio.gather(*(c.barrier() for c in b))
+        a1, b0 = a[1].transport, b[0].transport
+        assert isinstance(a1, TcpTransport) and isinstance(b0, TcpTransport)
+        assert a1.job != b0.job
+        a1.addresses[0] = b0.addresses[0]  # world A's rank 1 dials world B's rank 0
+        stray = asyncio.ensure_future(a[1].send(np.full(100_000, 7.0), 0, tag=3))
+        async with asyncio.timeout(10):
+            got, _ = await asyncio.gather(b[0].recv(1, tag=3),
+                                          b[1].send(np.full(100_000, 1.0), 0, tag=3))
+        np.testing.assert_array_equal(got, np.full(100_000, 1.0))
+        with pytest.raises(CollectiveError, match="job mismatch"):
+            async with asyncio.timeout(10):
+                await stray
+        await logs.wait_for(r"rank 0: rejected a connection from 127\.0\.0\.1:\d+: job mismatch")
+        await _world_still_sums(b)
+    finally:
+        for c in [*a, *b]:
+            await c.close()
+        await server.close()
+
+
+@pytest.mark.parametrize("then", ["abort", "bye", "frames"])
+async def test_a_second_connection_claiming_a_connected_rank_is_refused(
+        then: str, logs: LogWatch) -> None:
+    """After the world formed, another process that knows the token and the world's job id
+    dials rank 0 as rank 1, which already has its connection to rank 0. It was accepted as
+    a second rank-1 connection: its frames were taken for rank 1's, its BYE made rank 0
+    believe rank 1 had closed its communicator, its reset broke the world (PeerLostError
+    naming rank 1). It is now refused (REJECT, logged) and the world goes on."""
+    async with tcp_world(3) as (_, comms):
+        await asyncio.gather(comms[1].send(np.ones(50_000), 0), comms[0].recv(1))
+        host, port = peer_address(comms[0])
+        job = comms[0].transport.job  # type: ignore[attr-defined]
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            with pytest.raises(AuthenticationError, match="rank 1 is already connected"):
+                await client_handshake(reader, writer, TOKEN, role="peer", rank=1, job=job,
+                                       timeout=5)
+            if then == "bye":
+                writer.write(encode_frame_bytes(Frame(FrameKind.BYE, FrameHeader(src=1), b"")))
+            elif then == "frames":
+                writer.write(encode_frame_bytes(Frame(
+                    FrameKind.P2P, FrameHeader(src=1, sig=(7,), dtype="<f8", shape=(2,)),
+                    np.full(2, 9.0).tobytes())))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            await read_until_closed(reader, 5.0)
+        finally:
+            writer.transport.abort()
+        await logs.wait_for(r"rank 0: rejected a connection from .*: rank 1 is already connected")
+        await asyncio.sleep(0.1)
+        async with asyncio.timeout(10):
+            got, _ = await asyncio.gather(comms[0].recv(1, tag=7),
+                                          comms[1].send(np.full(2, 1.0), 0, tag=7))
+        np.testing.assert_array_equal(got, np.full(2, 1.0))
+        await _world_still_sums(comms)
+
+
+async def test_a_connection_claiming_a_rank_that_left_is_refused(logs: LogWatch) -> None:
+    """A rank closed its communicator (the others may go on without it: isolate); a process
+    then dials as that rank. It was accepted and, reset, broke the world of the ranks left
+    ('lost the connection to world rank 2'); it is now refused and logged."""
+    async with tcp_world(3) as (_, comms):
+        for c in comms:
+            c.transport.peer_loss = "isolate"  # type: ignore[attr-defined]
+        await comms[2].close()
+        await settle_until(lambda: 2 in comms[0].transport._gone, 5.0)  # type: ignore[attr-defined]
+        host, port = peer_address(comms[0])
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            with pytest.raises(AuthenticationError, match="rank 2 has left this world"):
+                await client_handshake(reader, writer, TOKEN, role="peer", rank=2,
+                                       job=comms[0].transport.job, timeout=5)  # type: ignore[attr-defined]
+        finally:
+            writer.transport.abort()
+        await logs.wait_for(r"rank 0: rejected a connection from .*: rank 2 has left")
+        await asyncio.sleep(0.1)
+        for c in comms[:2]:
+            assert c.transport.broken is None
+        async with asyncio.timeout(10):
+            got, _ = await asyncio.gather(comms[0].recv(1, tag=4),
+                                          comms[1].send(np.full(3, 5.0), 0, tag=4))
+        np.testing.assert_array_equal(got, np.full(3, 5.0))
 
 
 # ------------------------------------------------------------------------ reading without the loop

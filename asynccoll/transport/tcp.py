@@ -485,14 +485,18 @@ class _Connection(asyncio.BufferedProtocol):
             if self._server.peer_role is None:
                 self.transport.write(encode_frame_bytes(self._server.on_hello(frame)))
                 return
+            # the world's job id may have been set (tcp_init: from the roster) since this
+            # connection was accepted
+            self._server.job = owner.job
             reply = self._server.on_proof(frame)
         except ProtocolError:  # a whole frame, but not the one due: say so (SPEC, Failures)
             self.transport.write(encode_frame_bytes(self._server.reject_frame(REASON_PROTOCOL)))
             raise
         peer = self._server.peer_rank
-        if self._server.accepted and (self._server.peer_role != "peer" or peer is None
-                                      or not 0 <= peer < owner.world_size or peer == owner.rank):
-            reply = self._server.reject_frame(f"rank {peer} is not a peer of this world")
+        if self._server.accepted:
+            refusal = self._refusal(peer)
+            if refusal is not None:
+                reply = self._server.reject_frame(refusal)
         self.transport.write(encode_frame_bytes(reply))
         if not self._server.accepted:
             log.warning("rank %d: rejected a connection from %s: %s", owner.rank,
@@ -501,6 +505,23 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self.peer = peer
         self._established()
+
+    def _refusal(self, peer: int | None) -> str | None:
+        """Why an incoming connection that proved it knows the token is still refused: it is
+        not a peer of this world, or it claims a rank that has left the world or that
+        already has its connection to this rank (a rank dials each peer once: a second one
+        is another process, which would otherwise take frames for that rank, and break the
+        world when it closed)."""
+        owner = self.owner
+        assert self._server is not None
+        if (self._server.peer_role != "peer" or peer is None
+                or not 0 <= peer < owner.world_size or peer == owner.rank):
+            return f"rank {peer} is not a peer of this world"
+        if owner._unreachable(peer) is not None:
+            return f"rank {peer} has left this world"
+        if any(not c.outgoing for c in owner._live_connections(peer)):
+            return f"rank {peer} is already connected"
+        return None
 
     def _established(self) -> None:
         if self._timer is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import ipaddress
 import os
 import socket
@@ -155,6 +156,16 @@ async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: in
     return RendezvousError(f"{exc}; never joined: rank{'s' * (len(missing) > 1)} {listed}")
 
 
+def roster_job(members: dict[int, list[Any]]) -> str:
+    """The job id of the world a full roster forms (SPEC, "Job ids"): a digest of every
+    rank's listening address, the same on every rank that read the roster. A rank of
+    another world on the same rendezvous (an earlier one, a later one), or a process that
+    knows the token but not this roster, is refused its connections (``"job mismatch"``)
+    instead of being taken for a rank of this one."""
+    text = ";".join(f"{int(r)}={entry[0]}:{int(entry[1])}" for r, entry in sorted(members.items()))
+    return "world:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def world_crowded(members: Any) -> bool:
     """Whether any rank of a roster (entries ``[host, port, meta]``) said it shares a core
     (``Transport.crowded``): every rank reads the same roster, so all agree."""
@@ -229,6 +240,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         _check_roster(members, rank, world_size, (advertised, lport))
         for r, entry in members.items():
             transport.addresses[int(r)] = (str(entry[0]), int(entry[1]))
+        transport.job = roster_job(members)
         transport.crowded = world_crowded(members.values())
         await transport.connect_peers(startup_peers(rank, world_size))
     except BaseException:
@@ -332,5 +344,5 @@ async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
     return good
 
 
-__all__ = ["MESH_RANKS", "startup_peers", "tcp_init", "tcp_local_world", "tcp_store_world",
-           "world_crowded"]
+__all__ = ["MESH_RANKS", "roster_job", "startup_peers", "tcp_init", "tcp_local_world",
+           "tcp_store_world", "world_crowded"]
