@@ -251,3 +251,49 @@ async def test_checkpoints_of_the_parts_reshard_and_never_mix(tmp_path: Path) ->
             for name, value in got.items():
                 np.testing.assert_allclose(value, want[name], rtol=1e-9, atol=1e-12,
                                            err_msg=name)
+
+
+async def test_a_part_that_cannot_save_or_load_fails_every_part(tmp_path: Path) -> None:
+    """Pipeline stages (2 data replicas each) save into directories of their own. When one
+    stage could not write its files, the other stage committed its checkpoint and returned;
+    when one could not read its directory, the other loaded its own and went on: a job that
+    resumes 'if there is a checkpoint' trained one stage from step N and the other from the
+    step before, or afresh, without a word. Every rank of every part now raises (the others
+    an error of the same class naming the rank and its part), no part commits, no model
+    changes."""
+    (tmp_path / "a-file").write_text("not a directory")
+    rng = np.random.default_rng(3)
+    data = [(rng.standard_normal((8, 6)), rng.standard_normal((8, 3))) for _ in range(2)]
+
+    async def rank(comm: Communicator) -> list[str]:
+        hybrid = await Hybrid.create(comm, MLP([6, 7, 5, 3], seed=2), data=2, pipe=2,
+                                     tensor=1, optimizer=SGD(lr=0.1), strategy="ddp")
+        pipe = hybrid.mesh.coords.pipe
+        own = tmp_path / f"p{pipe}"
+        await hybrid.step(data[0])
+        await save_checkpoint(hybrid.dist, own)
+        saved = (own / "meta.json").read_bytes()
+        await hybrid.step(data[1])
+        errors = []
+        # stage 1's directory cannot be made (a file is in the way)
+        with pytest.raises(OSError) as info:
+            await save_checkpoint(hybrid.dist, tmp_path / "a-file" / "p1" if pipe else own)
+        errors.append(f"{type(info.value).__name__}: {info.value}")
+        assert (own / "meta.json").read_bytes() == saved       # stage 0 committed nothing
+        before = {k: v.copy() for k, v in hybrid.dist.model.parameters().items()}
+        # stage 1 finds no checkpoint, stage 0 its own
+        with pytest.raises(FileNotFoundError) as info2:
+            await load_checkpoint(hybrid.dist, tmp_path / "nothing" if pipe else own)
+        errors.append(f"{type(info2.value).__name__}: {info2.value}")
+        for k, v in hybrid.dist.model.parameters().items():
+            np.testing.assert_array_equal(v, before[k], err_msg=k)
+        return errors
+
+    async with asyncio.timeout(30):
+        got = await run_world(rank, 4, "memory")
+    for r, (save_error, load_error) in enumerate(got):
+        assert save_error.startswith("NotADirectoryError"), (r, save_error)
+        assert "no meta.json" in load_error, (r, load_error)
+    # the ranks of stage 0 name a rank of stage 1 and its error
+    named = [e for errors in got for e in errors if "of the model part [[1, 2]]" in e]
+    assert len(named) == 4, got

@@ -55,7 +55,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..collectives import Communicator
 from ..ops import ReduceOp
 from ._failure import break_comm
 from .data_parallel import DistributedModel
@@ -184,20 +183,23 @@ async def save_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
     # rank learns whether every rank's succeeded: a rank that could not write its files (a full
     # disk) raises, the others too, and none commits nor waits for it
     kept = "; the checkpoint saved there before, if any, is left whole"
-    await _on_every_rank(dist.comm, root, "write its files",
-                         lambda: asyncio.to_thread(write), kept)
-    await _on_every_rank(dist.comm, root, "write meta.json",
+    await _on_every_rank(dist, root, "write its files", lambda: asyncio.to_thread(write), kept)
+    await _on_every_rank(dist, root, "write meta.json",
                          None if meta is None else lambda: asyncio.to_thread(commit), kept)
 
 
-async def _on_every_rank(comm: Communicator, root: str | os.PathLike[str], what: str,
+async def _on_every_rank(dist: DistributedModel, root: str | os.PathLike[str], what: str,
                          work: Callable[[], Awaitable[T]] | None, then: str = "") -> T | None:
     """Await ``work()`` (``None``: nothing to do on this rank) and return its result, once
-    every rank of ``comm`` knows that every rank's succeeded (a collective, which also serves
-    as a barrier). If it failed here, its exception is raised; if it failed on another rank,
-    an exception of the same built-in class (``OSError`` or ``ValueError``, or ``OSError``
-    for any other) naming that rank and its error. A cancelled rank breaks ``comm``, so that
-    the others do not wait for its answer until the timeout."""
+    every rank of ``dist.comm`` knows that every rank's succeeded (a collective, which also
+    serves as a barrier), and, for a model split over ranks, every rank of the other parts
+    (the agreement goes on along each of ``model_parallel_groups``: a part whose checkpoint
+    could not be written or read must not leave the others saved or loaded without it). If
+    it failed here, its exception is raised; if it failed on another rank, an exception of
+    the same built-in class (``OSError`` or ``ValueError``, or ``OSError`` for any other)
+    naming that rank and its error. A cancelled rank breaks ``dist.comm``, so that the
+    others do not wait for its answer until the timeout."""
+    comm = dist.comm
     error: Exception | None = None
     result = None
     try:
@@ -210,15 +212,25 @@ async def _on_every_rank(comm: Communicator, root: str | os.PathLike[str], what:
         error = exc
     reports = await comm.all_gather_object(
         None if error is None else [type(error).__name__, str(error)])
+    failed = next(([f"rank {r}", *report] for r, report in enumerate(reports)
+                   if report is not None), None)
+    groups = dist.model.model_parallel_groups()
+    if groups and failed is not None:
+        failed[0] += f" of the model part {_model_part(dist.model)}"
+    for g in groups:  # (every rank takes the same path through them: a collective each)
+        if failed is None:
+            failed = next((f for f in await g.comm.all_gather_object(None) if f is not None),
+                          None)
+        else:
+            await g.comm.all_gather_object(failed)
     if error is not None:
         raise error
-    for rank, report in enumerate(reports):
-        if report is not None:
-            name, message = report
-            kind = getattr(builtins, name, None)
-            if not (isinstance(kind, type) and issubclass(kind, (OSError, ValueError))):
-                kind = OSError
-            raise kind(f"{root}: rank {rank} could not {what} ({name}: {message}){then}")
+    if failed is not None:
+        where, name, message = failed
+        kind = getattr(builtins, name, None)
+        if not (isinstance(kind, type) and issubclass(kind, (OSError, ValueError))):
+            kind = OSError
+        raise kind(f"{root}: {where} could not {what} ({name}: {message}){then}")
     return result
 
 
@@ -437,7 +449,7 @@ async def load_checkpoint(dist: DistributedModel, path: str | os.PathLike[str]) 
         return meta, params, buffers, model_buffers
 
     # nothing is loaded on any rank unless every rank could read and check the checkpoint
-    got = await _on_every_rank(dist.comm, path, "load it", read,
+    got = await _on_every_rank(dist, path, "load it", read,
                                "; no rank's model was changed")
     assert got is not None
     meta, params, buffers, model_buffers = got
