@@ -14,6 +14,7 @@ import itertools
 import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -449,3 +450,59 @@ def test_nccl_install_hint_reads_as_a_sentence(monkeypatch: pytest.MonkeyPatch) 
     assert str(info.value).startswith(
         'the "nccl" backend needs CuPy built with NCCL and a CUDA GPU: '
         'pip install "asynccoll[gpu]" ('), str(info.value)
+
+
+@pytest.mark.parametrize("how", ["fails", "never_calls"])
+def test_nccl_init_a_rank_that_fails_or_never_calls_init(fake: Any,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        how: str) -> None:
+    """ncclCommInitRank blocks, without a timeout, until every rank called it. A rank whose
+    init failed (a CUDA out-of-memory) left the others waiting for their whole timeout, and
+    then ``asyncio.run`` did not return while the blocked thread lived (asyncio's executor
+    thread is joined at exit: forever with real NCCL). Now its failure reaches the others at
+    once, and a rank that never calls init is a CollectiveTimeout that lets the process go."""
+    from asynccoll import CollectiveTimeout
+    from asynccoll.transport.nccl import nccl_init
+
+    nccl = sys.modules["cupy.cuda.nccl"]
+    real = nccl.NcclCommunicator
+    release = threading.Event()
+
+    def init(ndev: int, uid: Any, rank: int) -> Any:
+        if rank == 1 and how == "fails":
+            raise nccl.NcclError("unhandled cuda error: out of memory")
+        if rank == 1:  # as a rank that never gets there (until the test ends)
+            release.wait(30.0)
+            raise nccl.NcclError("released by the test")
+        return real(ndev, uid, rank)
+
+    monkeypatch.setattr(nccl, "NcclCommunicator", init)
+    monkeypatch.setattr(fake_cupy, "WAIT", 12.0)  # fake NCCL's own give-up time
+    port = _free_port()
+    got: list[Any] = [None] * W
+
+    def rank(r: int) -> None:
+        start = time.monotonic()
+        try:
+            asyncio.run(nccl_init(rank=r, world_size=W, addr="127.0.0.1", port=port,
+                                  timeout=2.0 if how == "never_calls" else 10.0))
+            got[r] = ("no error", 0.0)
+        except Exception as exc:
+            got[r] = (exc, time.monotonic() - start)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(8.0)
+    release.set()
+    assert not any(t.is_alive() for t in threads), f"asyncio.run did not return: {got}"
+    for r, (exc, took) in enumerate(got):
+        assert isinstance(exc, CollectiveError), (r, exc)
+        if how == "fails":
+            assert "rank 1" in str(exc) and "out of memory" in str(exc), (r, exc)
+            assert took < 5.0, (r, took)  # not the 10 s timeout
+        else:
+            assert "did not complete within 2 s" in str(exc), (r, exc)
+    if how == "never_calls":
+        assert any(isinstance(exc, CollectiveTimeout) for exc, _ in got), got

@@ -41,6 +41,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -196,6 +197,63 @@ def _make_comm(cupy: Any, nccl: Any, device: int, size: int, uid: Any, rank: int
     """ncclCommInitRank on ``device`` (blocks until every rank called it; run in a thread)."""
     with cupy.cuda.Device(device):
         return nccl.NcclCommunicator(size, uid, rank)
+
+
+async def _init_comm(inner: Communicator, cupy: Any, nccl: Any, device: int, uid: Any) -> Any:
+    """The NCCL communicator over ``inner``'s ranks, or a ``CollectiveError`` on every rank.
+
+    ncclCommInitRank blocks until every rank called it, without a timeout and without a way
+    to abort it: it runs in a daemon thread (one left blocked must not keep the process from
+    exiting, as a thread of asyncio's executor would: ``asyncio.run`` and the interpreter
+    join those), while the TCP world is watched. A rank whose init fails, times out or is
+    cancelled aborts the TCP world, so the others' waits end at once naming it.
+    """
+    loop = asyncio.get_running_loop()
+    signal, fire = signal_from_thread(loop)
+    lock = threading.Lock()
+    state: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            comm = _make_comm(cupy, nccl, device, inner.world_size, uid, inner.rank)
+        except BaseException as exc:  # handed to the waiting coroutine
+            with lock:
+                state["error"] = exc
+        else:
+            with lock:
+                if "gave_up" not in state:
+                    state["comm"] = comm
+                    comm = None
+            if comm is not None:  # nobody waits for it any more
+                with contextlib.suppress(Exception):
+                    comm.abort()
+        fire(None)
+
+    threading.Thread(target=work, name=f"asynccoll-nccl-init-{inner.rank}", daemon=True).start()
+    transport = inner.transport
+    timeout = inner.timeout
+    try:
+        await poll(signal.done, deadline=loop.time() + timeout, check=transport.check_usable,
+                   on_timeout=lambda: CollectiveTimeout(
+                       f"ncclCommInitRank on group rank {inner.rank} did not complete within "
+                       f"{timeout:g} s (not every rank called it)"),
+                   arm=lambda: signal, spin=0.0)
+        error = state.get("error")
+        if error is not None:
+            raise CollectiveError(f"ncclCommInitRank failed on group rank {inner.rank} "
+                                  f"(GPU {device}): {error}") from error
+        return state["comm"]
+    except BaseException as exc:
+        with lock:
+            state["gave_up"] = True
+            late = state.pop("comm", None)
+        if late is not None:
+            with contextlib.suppress(Exception):
+                late.abort()
+        err = (exc if isinstance(exc, CollectiveError) else
+               CollectiveError(f"ncclCommInitRank was cancelled on group rank {inner.rank}"))
+        transport.abort(err)  # the others stop waiting for this rank
+        raise
 
 
 class NcclCommunicator(DelegatingCommunicator):
@@ -757,14 +815,11 @@ async def _nccl_over(inner: Communicator, *, device: int | None,
     uid = tuple(uid) if isinstance(uid, list) else uid
     flags = await inner.new_group(range(inner.world_size))
     assert flags is not None
-    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(inner.timeout):
-            comm = await loop.run_in_executor(None, _make_comm, cupy, nccl, device,
-                                              inner.world_size, uid, inner.rank)
-    except TimeoutError:
-        raise CollectiveTimeout(f"ncclCommInitRank did not complete within {inner.timeout:g} s "
-                                f"(its thread may stay blocked)") from None
+        comm = await _init_comm(inner, cupy, nccl, device, uid)
+    except BaseException:
+        await flags.close()
+        raise
     return NcclCommunicator(inner, cupy=cupy, nccl=nccl, comm=comm, device=device,
                             flags=flags, check_signatures=check_signatures)
 
