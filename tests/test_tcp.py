@@ -1043,6 +1043,17 @@ async def test_a_second_connection_claiming_a_connected_rank_is_refused(
         await _world_still_sums(comms)
 
 
+async def test_a_rendezvous_client_given_a_ranks_port_is_told_it_is_no_peer() -> None:
+    """A rendezvous address that names a rank's port by mistake: the rank refuses the client
+    as no peer of the world (SPEC), not as a client of another job: the role is checked
+    before the world's job id."""
+    async with tcp_world(2) as (_, comms):
+        host, port = peer_address(comms[1])
+        with pytest.raises(AuthenticationError, match="rank 0 is not a peer of this world"):
+            await RendezvousClient.connect(host, port, token=TOKEN, timeout=5.0, rank=0)
+        await _world_still_sums(comms)
+
+
 async def test_a_connection_claiming_a_rank_that_left_is_refused(logs: LogWatch) -> None:
     """A rank closed its communicator (the others may go on without it: isolate); a process
     then dials as that rank. It was accepted and, reset, broke the world of the ranks left

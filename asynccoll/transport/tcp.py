@@ -67,7 +67,7 @@ from ..errors import (
     PeerLostError,
     ProtocolError,
 )
-from ..handshake import REASON_PROTOCOL, ClientHandshake, ServerHandshake
+from ..handshake import REASON_JOB, REASON_PROTOCOL, ClientHandshake, ServerHandshake
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Frame,
@@ -493,7 +493,9 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.write(encode_frame_bytes(self._server.reject_frame(REASON_PROTOCOL)))
             raise
         peer = self._server.peer_rank
-        if self._server.accepted:
+        if self._server.accepted or (self._server.reason == REASON_JOB
+                                     and self._server.peer_role != "peer"):
+            # (a rendezvous client given a rank's port is told so, not of another job)
             refusal = self._refusal(peer)
             if refusal is not None:
                 reply = self._server.reject_frame(refusal)
