@@ -342,6 +342,38 @@ async def test_ranks_started_with_different_world_sizes_say_so() -> None:
         await server.close()
 
 
+async def test_a_rank_with_another_world_size_after_a_world_formed_says_so() -> None:
+    """Ranks 0 and 1 started with world_size 2 formed their world; rank 2, started with 3,
+    joined after them. Its join starts the next roster (that world had read its roster in
+    full), so it waited its timeout and was told 'never joined: ranks 0, 1' (they had
+    joined, with world_size 2: before, it named them at once). The error says which ranks
+    the rendezvous held, started with which world size."""
+    server = RendezvousServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+    try:
+        async with asyncio.timeout(20):
+            pair = await asyncio.gather(*(
+                tcp_init(rank=r, world_size=2, addr="127.0.0.1", port=server.port,
+                         token=TOKEN, timeout=5.0, host_rendezvous=False) for r in range(2)))
+            try:
+                with pytest.raises(RendezvousError) as info:
+                    await tcp_init(rank=2, world_size=3, addr="127.0.0.1", port=server.port,
+                                   token=TOKEN, timeout=1.0, host_rendezvous=False)
+                # the world of two is unharmed
+                got = await asyncio.gather(*(c.all_reduce(np.ones(3)) for c in pair))
+                for g in got:
+                    np.testing.assert_array_equal(g, np.full(3, 2.0))
+            finally:
+                for c in pair:
+                    await c.close()
+        message = str(info.value)
+        assert "never joined: ranks 0, 1" in message, message
+        assert "rank 0 with world_size 2, rank 1 with world_size 2" in message, message
+        assert "every rank needs the same world size" in message, message
+    finally:
+        await server.close()
+
+
 async def test_two_processes_with_one_rank_number_are_told_apart() -> None:
     """Ranks 0, 1 and 1 again (rank 2 never started) on a standalone rendezvous: the second
     rank 1 replaced the first in the roster, and every rank timed out with 'waiting for 3

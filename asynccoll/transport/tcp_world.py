@@ -136,11 +136,24 @@ def _check_own_entry(members: dict[int, list[Any]], rank: int, mine: tuple[str, 
             f"needs a distinct rank")
 
 
+def _other_sizes(members: dict[int, list[Any]], world_size: int) -> str:
+    """The ranks of a roster (as ``roster`` answers) started with another world size than
+    ``world_size``, for a message (empty if none)."""
+    others = []
+    for r, entry in sorted(members.items()):
+        theirs = entry[2].get("world_size") if isinstance(entry[2], dict) else None
+        if type(theirs) is int and theirs != world_size:
+            others.append(f"rank {r} with world_size {theirs}")
+    return ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+
+
 async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: int,
-                    mine: tuple[str, int]) -> CollectiveError:
+                    mine: tuple[str, int], seen: str = "") -> CollectiveError:
     """The error for a roster that did not fill in time: which ranks never joined, unless
     those that did were started inconsistently (``_check_roster``: another world size,
-    another process joined as this rank, replacing its entry)."""
+    another process joined as this rank, replacing its entry). ``seen``: the ranks started
+    with another world size that the roster held before this rank joined (a world of
+    theirs that had formed: this rank's join started the next roster without them)."""
     try:
         members = (await client.roster(timeout=0))["members"]
     except (RendezvousError, OSError):
@@ -153,7 +166,11 @@ async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: in
     if not missing:
         return exc
     listed = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
-    return RendezvousError(f"{exc}; never joined: rank{'s' * (len(missing) > 1)} {listed}")
+    hint = (f" (when this rank ({rank}) joined, the rendezvous held a world of processes "
+            f"started with another world size: {seen}; every rank needs the same world "
+            f"size)") if seen else ""
+    return RendezvousError(f"{exc}; never joined: rank{'s' * (len(missing) > 1)} "
+                           f"{listed}{hint}")
 
 
 def roster_job(members: dict[int, list[Any]]) -> str:
@@ -230,12 +247,16 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                                  peer_loss=peer_loss)
         host, lport = await transport.listen(bind, 0)
         advertised = host if host not in ("0.0.0.0", "::") else _local_ip(client)
+        # (a world whose ranks were started with another world size, formed before this rank
+        # came, is gone from the roster once this rank joins: remembered for the error)
+        seen = _other_sizes((await client.roster(timeout=0))["members"], world_size)
         await client.join(rank, advertised, lport,
                           {"crowded": transport.yields, "world_size": world_size})
         try:
             roster = await client.roster(world_size, timeout)
         except RendezvousError as exc:
-            raise await _unfilled(client, exc, rank, world_size, (advertised, lport)) from None
+            raise await _unfilled(client, exc, rank, world_size, (advertised, lport),
+                                  seen) from None
         members = roster["members"]
         _check_roster(members, rank, world_size, (advertised, lport))
         for r, entry in members.items():
