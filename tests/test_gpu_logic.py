@@ -506,3 +506,21 @@ def test_nccl_init_a_rank_that_fails_or_never_calls_init(fake: Any,
             assert "did not complete within 2 s" in str(exc), (r, exc)
     if how == "never_calls":
         assert any(isinstance(exc, CollectiveTimeout) for exc, _ in got), got
+
+
+def test_init_makes_the_ranks_gpu_current(fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/backends/nccl.md's first example makes its array with plain ``cupy.full`` after
+    ``init`` ("on this rank's GPU"). ``init`` picked GPU r for rank r but left GPU 0 current,
+    so on a machine of several GPUs every rank but 0 made its array on GPU 0 and its
+    all_reduce raised ValueError 'array is on GPU 0 but this communicator uses GPU 1'."""
+    monkeypatch.setattr(sys.modules["cupy.cuda.runtime"], "getDeviceCount", lambda: 2)
+    for var in ("ASYNCCOLL_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+
+    async def fn(comm: Any) -> Any:
+        a = fake.full(3, comm.rank + 1.0)  # on the current device, as CuPy makes it
+        assert await comm.all_reduce(a) is a
+        return comm.device, a.device.id, a.get().tolist()
+
+    assert run_nccl(fn, world_size=2) == [(0, 0, [3.0] * 3), (1, 1, [3.0] * 3)]

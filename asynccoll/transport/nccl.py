@@ -834,7 +834,7 @@ async def nccl_init(*, rank: int | None = None, world_size: int | None = None,
     Args:
         device: the CUDA device of this rank (default: the local rank from ``LOCAL_RANK``,
             ``ASYNCCOLL_LOCAL_RANK``, Open MPI's or Slurm's variables, else the rank, modulo
-            the number of visible GPUs).
+            the number of visible GPUs); made the calling thread's current CuPy device.
         check_signatures: check (over TCP) before each device collective that every rank
             called the same thing.
         The other arguments are ``asynccoll.init``'s for ``backend="tcp"``.
@@ -845,10 +845,13 @@ async def nccl_init(*, rank: int | None = None, world_size: int | None = None,
     inner = await tcp_init(rank=rank, world_size=world_size, addr=addr, port=port,
                            timeout=timeout, token=token, tuning=tuning, **tcp_options)
     try:
-        return await _nccl_over(inner, device=device, check_signatures=check_signatures)
+        comm = await _nccl_over(inner, device=device, check_signatures=check_signatures)
     except BaseException:
         await inner.close()
         raise
+    cupy, _ = import_nccl()
+    cupy.cuda.Device(comm.device).use()  # arrays made after init are on this rank's GPU
+    return comm
 
 
 __all__ = ["NcclCommunicator", "import_nccl", "nccl_init"]

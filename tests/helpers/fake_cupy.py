@@ -7,7 +7,8 @@ NCCL's own semantics and performance (see docs/backends/nccl.md).
 
 * ``ndarray`` is a NumPy subclass whose class claims to live in ``cupy`` and has a
   ``__cuda_array_interface__`` (so :func:`asynccoll.gpu.is_device_array` accepts it), with
-  ``.data.ptr`` (the real address of its memory), ``.get()``, ``.set()`` and ``.device``.
+  ``.data.ptr`` (the real address of its memory), ``.get()``, ``.set()`` and ``.device``
+  (the thread's current device when it was made, as ``cupy.cuda.Device`` sets it).
 * Work "enqueued on a stream" runs at once; events are always done.
 * ``NcclCommunicator`` ranks are threads of this process (each rank runs its own event loop in
   its own thread): a collective blocks its caller until every rank has called it, then the last
@@ -44,24 +45,39 @@ class _Ptr:
         self.ptr = ptr
 
 
+#: the current device of each thread (CuPy's is per thread too); arrays are made on it
+_current = threading.local()
+
+
+def _current_device() -> int:
+    return int(getattr(_current, "id", 0))
+
+
 class Device:
-    def __init__(self, device: int = 0) -> None:
-        self.id = device
+    def __init__(self, device: int | None = None) -> None:
+        self.id = _current_device() if device is None else device
+        self._outer: list[int] = []
 
     def __enter__(self) -> Device:
+        self._outer.append(_current_device())
+        _current.id = self.id
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        _current.id = self._outer.pop()
 
     def use(self) -> None:
-        return None
+        _current.id = self.id
 
 
 class ndarray(np.ndarray):  # the name CuPy uses
     """A NumPy array that passes for a CuPy one."""
 
     __module__ = "cupy"
+
+    def __array_finalize__(self, obj: Any) -> None:
+        # a view keeps its base's device; a new array is on the thread's current device
+        self._device_id = getattr(obj, "_device_id", _current_device())
 
     @property  # type: ignore[override]
     def data(self) -> _Ptr:
@@ -74,7 +90,7 @@ class ndarray(np.ndarray):  # the name CuPy uses
 
     @property
     def device(self) -> Device:
-        return Device(0)
+        return Device(self._device_id)
 
     def get(self, stream: Any = None, order: str = "C", out: np.ndarray | None = None,
             blocking: bool = True) -> np.ndarray:
@@ -97,6 +113,10 @@ def empty(shape: Any, dtype: Any = float) -> ndarray:
 
 def zeros(shape: Any, dtype: Any = float) -> ndarray:
     return np.zeros(shape, dtype).view(ndarray)
+
+
+def full(shape: Any, fill_value: Any, dtype: Any = None) -> ndarray:
+    return np.full(shape, fill_value, dtype).view(ndarray)
 
 
 def empty_like(a: Any) -> ndarray:
@@ -400,6 +420,7 @@ def modules() -> dict[str, types.ModuleType]:
     cupy.asarray = asarray
     cupy.empty = empty
     cupy.zeros = zeros
+    cupy.full = full
     cupy.empty_like = empty_like
     cupy.nan = np.nan
     cupy.isnan = lambda a: np.isnan(a).view(ndarray)
