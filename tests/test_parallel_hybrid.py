@@ -297,3 +297,33 @@ async def test_a_part_that_cannot_save_or_load_fails_every_part(tmp_path: Path) 
     # the ranks of stage 0 name a rank of stage 1 and its error
     named = [e for errors in got for e in errors if "of the model part [[1, 2]]" in e]
     assert len(named) == 4, got
+
+
+async def test_a_save_of_a_part_cancelled_at_once_fails_every_rank_at_once(
+        tmp_path: Path) -> None:
+    """A save cancelled on one rank breaks the communicator, so that the others raise at
+    once (save_checkpoint's contract). Cancelled while it looked up its directory (the
+    first thing a save of a split model does), it did not: every other rank waited in the
+    next collective until its timeout (CollectiveTimeout after 5 s here)."""
+    async def rank(comm: Communicator) -> tuple[str, float]:
+        hybrid = await Hybrid.create(comm, MLP([4, 5, 3], seed=1), data=2, pipe=2, tensor=1,
+                                     optimizer=SGD(lr=0.1))
+        began = asyncio.get_running_loop().time()
+        task = asyncio.ensure_future(
+            save_checkpoint(hybrid.dist, tmp_path / f"p{hybrid.mesh.coords.pipe}"))
+        if comm.rank == 3:
+            await asyncio.sleep(0)          # the save runs up to its first wait
+            task.cancel()
+        try:
+            await task
+            outcome = "saved"
+        except BaseException as exc:  # (the outcome is what the test checks)
+            outcome = type(exc).__name__
+        return outcome, asyncio.get_running_loop().time() - began
+
+    async with asyncio.timeout(30):
+        got = await run_world(rank, 4, "memory", timeout=5.0)
+    assert got[3][0] == "CancelledError", got
+    for outcome, took in got[:3]:
+        assert outcome == "CollectiveError", got
+        assert took < 2.0, got

@@ -246,7 +246,11 @@ async def _own_directory(dist: DistributedModel, root: Path) -> list[list[int]]:
     part = _model_part(dist.model)
     if not part:
         return part
-    where = await asyncio.to_thread(os.path.realpath, root)
+    try:
+        where = await asyncio.to_thread(os.path.realpath, root)
+    except asyncio.CancelledError:  # (as in _on_every_rank: the others must not wait for it)
+        await break_comm(dist.comm)
+        raise
     clash = None
     for g in dist.model.model_parallel_groups():
         others = [r for r, p in enumerate(await g.comm.all_gather_object(where))
