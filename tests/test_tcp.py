@@ -1086,6 +1086,33 @@ async def test_a_rendezvous_client_given_a_ranks_port_is_told_it_is_no_peer() ->
         await _world_still_sums(comms)
 
 
+async def test_a_peer_address_answered_by_another_service_is_a_lost_peer() -> None:
+    """A rank's address gone stale, its port now some other program's (it answers, but not
+    in asynccoll's protocol): the dial failed with a ProtocolError in a background task
+    ('Task exception was never retrieved') and the send waited for the collective timeout.
+    It is now PeerLostError naming the rank and the address, at once."""
+    async def other_service(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            await reader.read()
+        writer.close()
+
+    service = await asyncio.start_server(other_service, "127.0.0.1", 0)
+    try:
+        async with tcp_world(2) as (_, comms):
+            t1 = comms[1].transport
+            assert isinstance(t1, TcpTransport)
+            t1.addresses[0] = service.sockets[0].getsockname()[:2]
+            with pytest.raises(PeerLostError, match=r"cannot connect to world rank 0 at .*"
+                               r"bad magic") as info:
+                async with asyncio.timeout(5):  # the world's timeout is 20 s
+                    await comms[1].send(np.ones(100_000), 0)  # its own connection: a dial
+            assert info.value.rank == 0
+    finally:
+        service.close()
+        await service.wait_closed()
+
+
 async def test_a_connection_claiming_a_rank_that_left_is_refused(logs: LogWatch) -> None:
     """A rank closed its communicator (the others may go on without it: isolate); a process
     then dials as that rank. It was accepted and, reset, broke the world of the ranks left

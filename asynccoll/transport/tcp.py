@@ -741,13 +741,14 @@ class TcpTransport(Transport):
         except BaseException as exc:
             if conn is not None:
                 conn._abort()
-            if isinstance(exc, (OSError, ConnectionError, TimeoutError)):
-                why = str(exc) or type(exc).__name__
-                raise PeerLostError(f"cannot connect to world rank {dst} at {host}:{port}: "
-                                    f"{why}", rank=dst) from None
             if isinstance(exc, AuthenticationError):
                 raise CollectiveError(f"world rank {dst} at {host}:{port} refused us: "
                                       f"{exc}") from None
+            # (ProtocolError: what answered there speaks no asynccoll, a stale address)
+            if isinstance(exc, (OSError, ConnectionError, TimeoutError, ProtocolError)):
+                why = str(exc) or type(exc).__name__
+                raise PeerLostError(f"cannot connect to world rank {dst} at {host}:{port}: "
+                                    f"{why}", rank=dst) from None
             raise
         if self._closed:
             conn._abort()
