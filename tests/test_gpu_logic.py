@@ -524,3 +524,39 @@ def test_init_makes_the_ranks_gpu_current(fake: Any, monkeypatch: pytest.MonkeyP
         return comm.device, a.device.id, a.get().tolist()
 
     assert run_nccl(fn, world_size=2) == [(0, 0, [3.0] * 3), (1, 1, [3.0] * 3)]
+
+
+def test_check_signatures_must_agree(fake: Any) -> None:
+    """``check_signatures`` must be equal on every rank. A rank that checks waits over TCP for
+    the signature of a rank that went straight to NCCL: they failed only at the timeout,
+    naming an ``all_gather_object`` the user never called. Now init says so on every rank."""
+    from asynccoll.transport.nccl import nccl_init
+
+    port = _free_port()
+    got: list[Any] = [None] * W
+
+    def rank(r: int) -> None:
+        async def main() -> None:
+            comm = await nccl_init(rank=r, world_size=W, addr="127.0.0.1", port=port,
+                                   timeout=10.0, check_signatures=r != 1)
+            try:
+                await comm.all_reduce(dev(fake, np.ones(3)))
+            finally:
+                await comm.close()
+
+        start = time.monotonic()
+        try:
+            asyncio.run(main())
+        except Exception as exc:
+            got[r] = (exc, time.monotonic() - start)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30.0)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for r, (exc, took) in enumerate(got):
+        assert isinstance(exc, ValueError), (r, exc)
+        assert "True on ranks [0, 2], False on ranks [1]" in str(exc), (r, exc)
+        assert took < 5.0, (r, took)

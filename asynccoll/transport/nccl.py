@@ -811,7 +811,15 @@ async def _nccl_over(inner: Communicator, *, device: int | None,
     uid = nccl.get_unique_id() if inner.rank == 0 else None
     if isinstance(uid, tuple):
         uid = list(uid)
-    uid = await inner.broadcast_object(uid, root=0)
+    # rank 0's unique id, and a check that every rank checks signatures or none does (a rank
+    # that checks waits over TCP for one that went straight to NCCL: a timeout, much later)
+    every = await inner.all_gather_object([uid, bool(check_signatures)])
+    checks = [bool(m[1]) for m in every]
+    if len(set(checks)) > 1:
+        raise ValueError("check_signatures must be equal on every rank: True on ranks "
+                         f"{[j for j, c in enumerate(checks) if c]}, False on ranks "
+                         f"{[j for j, c in enumerate(checks) if not c]}")
+    uid = every[0][0]
     uid = tuple(uid) if isinstance(uid, list) else uid
     flags = await inner.new_group(range(inner.world_size))
     assert flags is not None
