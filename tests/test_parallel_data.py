@@ -832,6 +832,33 @@ async def test_a_schedule_on_the_given_optimizer_reaches_every_strategy(strategy
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
+async def test_a_failure_whose_class_takes_several_arguments_reaches_the_other_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other ranks raise an error of the failing rank's built-in class when they can
+    build one from a message; a UnicodeDecodeError (a ValueError whose constructor takes five
+    arguments) made them raise a TypeError from that attempt instead."""
+    import asynccoll.parallel.checkpoint as ckpt
+
+    real = ckpt._write_atomic
+
+    def undecodable(target: Path, write: Any) -> None:
+        if target.name.startswith("shard-00001"):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(target, write)
+
+    monkeypatch.setattr(ckpt, "_write_atomic", undecodable)
+
+    async def rank(comm: Communicator) -> str:
+        dist = as_distributed(MLP(SIZES, seed=3), comm, SGD(lr=0.1), strategy="zero1")
+        with pytest.raises(ValueError) as info:
+            await save_checkpoint(dist, tmp_path)
+        return f"{type(info.value).__name__}: {info.value}"
+
+    other, culprit = await run_world(rank, 2, "memory")
+    assert culprit.startswith("UnicodeDecodeError"), culprit
+    assert "rank 1 could not write its files (UnicodeDecodeError" in other, other
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_the_given_optimizer_counts_the_steps_under_every_strategy(
         strategy: str, tmp_path: Path) -> None:

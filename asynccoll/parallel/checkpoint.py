@@ -227,10 +227,15 @@ async def _on_every_rank(dist: DistributedModel, root: str | os.PathLike[str], w
         raise error
     if failed is not None:
         where, name, message = failed
+        text = f"{root}: {where} could not {what} ({name}: {message}){then}"
         kind = getattr(builtins, name, None)
         if not (isinstance(kind, type) and issubclass(kind, (OSError, ValueError))):
             kind = OSError
-        raise kind(f"{root}: {where} could not {what} ({name}: {message}){then}")
+        try:
+            raised = kind(text)
+        except TypeError:  # a class built from more than a message (UnicodeDecodeError)
+            raised = ValueError(text) if issubclass(kind, ValueError) else OSError(text)
+        raise raised
     return result
 
 
