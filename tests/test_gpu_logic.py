@@ -285,7 +285,8 @@ def test_long_device_collectives_wake_on_a_host_function(fake: Any,
     monkeypatch.setattr(fake.cuda.Event, "lag", 10**9)  # "never done" when asked
     monkeypatch.setattr(nccl, "WAIT_SPIN_SECONDS", 0.0)
     assert run_nccl(fn) == [[3.0] * 3] * W
-    assert fake.cuda.Stream.host_funcs - before == 2 * W
+    # the two collectives and close (which waits for the stream the same way), per rank
+    assert fake.cuda.Stream.host_funcs - before == 3 * W
 
 
 def test_bench_times_device_arrays_on_nccl(fake: Any) -> None:
@@ -560,3 +561,31 @@ def test_check_signatures_must_agree(fake: Any) -> None:
         assert isinstance(exc, ValueError), (r, exc)
         assert "True on ranks [0, 2], False on ranks [1]" in str(exc), (r, exc)
         assert took < 5.0, (r, took)
+
+
+def test_close_with_a_collective_that_never_ends(fake: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close`` waited for the communicator's stream with a blocking ``synchronize``: with a
+    device collective still in flight that can never end (its peers never call it, or gave
+    up), the event loop stopped, the waiting collective could not see the failure, and the
+    process hung for good. ``close`` now waits without blocking the loop, within
+    ``timeout``, and aborts NCCL when the wait fails."""
+    from asynccoll.transport import nccl as nccl_mod
+
+    monkeypatch.setattr(fake.cuda.Event, "lag", 10**9)  # the GPU work never ends
+    monkeypatch.setattr(fake.cuda.Stream, "launch_host_func", lambda self, fn, arg: None)
+    monkeypatch.setattr(nccl_mod, "WAIT_SPIN_SECONDS", 0.0)
+
+    async def fn(comm: Any) -> Any:
+        task = asyncio.create_task(comm.all_reduce(dev(fake, np.ones(3))))
+        await asyncio.sleep(0.1)  # enqueued, waiting for its event
+        assert not task.done()
+        start = time.monotonic()
+        await comm.close()
+        took = time.monotonic() - start
+        with pytest.raises(CollectiveError):
+            await task
+        return took
+
+    took = run_nccl(fn, world_size=2, check_signatures=False)
+    assert max(took) < 2.0, took  # not the fake's 5 s synchronize (forever on a GPU)

@@ -786,16 +786,47 @@ class NcclCommunicator(DelegatingCommunicator):
         return await _nccl_over(sub, device=self.device, check_signatures=self.check_signatures)
 
     async def close(self) -> None:
-        """Destroy the NCCL communicator and close the TCP communicator. Idempotent."""
+        """Destroy the NCCL communicator and close the TCP communicator. Idempotent.
+
+        Work still queued on the communicator's stream is waited for without blocking the
+        event loop (collectives in flight see the close and fail), within ``timeout``; when
+        it cannot end (a peer never called it, or the world broke), NCCL is aborted instead.
+        """
         if self._closed:
             return
         self._closed = True
-        if self._broken is None:
-            with contextlib.suppress(Exception):
-                self._stream.synchronize()
-                self._comm.destroy()
-        await self._flags.close()
-        await self._inner.close()
+        try:
+            if self._broken is None:
+                await self._drain()
+        except CollectiveError as exc:
+            log.debug("rank %d aborts NCCL on close: %s", self.rank, exc)
+            self._break(exc, notify=False)
+        except BaseException:
+            self._break(CollectiveError(f"close was cancelled on group rank {self.rank}"),
+                        notify=False)
+            raise
+        finally:
+            if self._broken is None:
+                with contextlib.suppress(Exception):
+                    self._comm.destroy()
+            await self._flags.close()
+            await self._inner.close()
+
+    async def _drain(self) -> None:
+        """Return once the work queued on our stream ended; ``CollectiveError`` when the TCP
+        world broke or ``timeout`` passed first."""
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device):
+            idle = cupy.cuda.Event(disable_timing=True)
+            idle.record(self._stream)
+        loop = asyncio.get_running_loop()
+        timeout = self.timeout
+        await poll(lambda: bool(idle.done), deadline=loop.time() + timeout,
+                   check=self._inner.transport.check_usable,
+                   on_timeout=lambda: CollectiveTimeout(
+                       f"close on group rank {self.rank}: the NCCL work queued before it did "
+                       f"not end within {timeout:g} s"),
+                   arm=lambda: self._signal_after(idle, loop), spin=WAIT_SPIN_SECONDS)
 
 
 async def _nccl_over(inner: Communicator, *, device: int | None,

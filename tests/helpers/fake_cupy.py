@@ -22,6 +22,7 @@ import ctypes
 import secrets
 import sys
 import threading
+import time
 import types
 from collections import deque
 from typing import Any
@@ -124,8 +125,13 @@ def empty_like(a: Any) -> ndarray:
 
 
 class Stream:
+    #: seconds ``synchronize`` waits for events that never end (a kernel waiting for a peer
+    #: that never calls: real CUDA waits forever) before it raises instead
+    sync_limit = 5.0
+
     def __init__(self, non_blocking: bool = False) -> None:
         self.ptr = id(self)
+        self._events: list[Event] = []
 
     def __enter__(self) -> Stream:
         return self
@@ -137,7 +143,13 @@ class Stream:
         return None
 
     def synchronize(self) -> None:
-        return None
+        """Block until every event recorded on this stream is done (as CUDA blocks until the
+        stream's work ended)."""
+        deadline = time.monotonic() + Stream.sync_limit
+        while not all(e.done for e in self._events):
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake CUDA: synchronize on work that never ends")
+            time.sleep(0.01)
 
     def launch_host_func(self, callback: Any, arg: Any) -> None:
         Stream.host_funcs += 1
@@ -166,6 +178,8 @@ class Event:
 
     def record(self, stream: Any = None) -> None:
         self._done = True  # the fake runs everything as it is enqueued
+        if isinstance(stream, Stream):
+            stream._events.append(self)
 
 
 def get_current_stream() -> Stream:
