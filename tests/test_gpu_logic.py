@@ -42,7 +42,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_nccl(fn: Callable[[Any], Awaitable[Any]], world_size: int = W, **kw: Any) -> list[Any]:
+def run_nccl(fn: Callable[[Any], Awaitable[Any]], world_size: int = W, timeout: float = 20.0,
+             **kw: Any) -> list[Any]:
     """``fn(comm)`` on every rank of a fake-NCCL world; ranks are threads with their own
     event loops (the fake's collectives block until every rank called them)."""
     from asynccoll.transport.nccl import nccl_init
@@ -54,7 +55,7 @@ def run_nccl(fn: Callable[[Any], Awaitable[Any]], world_size: int = W, **kw: Any
     def rank(r: int) -> None:
         async def main() -> Any:
             comm = await nccl_init(rank=r, world_size=world_size, addr="127.0.0.1", port=port,
-                                   timeout=20.0, **kw)
+                                   timeout=timeout, **kw)
             try:
                 return await fn(comm)
             finally:
@@ -589,3 +590,19 @@ def test_close_with_a_collective_that_never_ends(fake: Any,
 
     took = run_nccl(fn, world_size=2, check_signatures=False)
     assert max(took) < 2.0, took  # not the fake's 5 s synchronize (forever on a GPU)
+
+
+def test_a_timeout_set_after_init_covers_send_and_recv(fake: Any) -> None:
+    """``comm.timeout = T`` after init must hold for ``recv`` too. The device flag that travels
+    beside each message went through a TCP subgroup that kept init's timeout: a recv waiting
+    longer than that for a slow sender raised CollectiveTimeout and broke the world."""
+    async def fn(comm: Any) -> Any:
+        comm.timeout = 30.0
+        if comm.rank == 1:
+            await asyncio.sleep(2.0)  # longer than init's timeout, well within the new one
+            await comm.send(dev(fake, np.arange(3.0)), 0, tag=3)
+            return None
+        got = await comm.recv(1, tag=3)
+        return is_device_array(got), got.get().tolist()
+
+    assert run_nccl(fn, world_size=2, timeout=1.0)[0] == (True, [0.0, 1.0, 2.0])

@@ -287,6 +287,15 @@ class NcclCommunicator(DelegatingCommunicator):
             #: runs nothing but the host functions that wake long waits (``_signal_after``)
             self._waker = cupy.cuda.Stream(non_blocking=True)
 
+    @property  # type: ignore[override]
+    def timeout(self) -> float:
+        return self._inner.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        # the device flags of send/recv travel through ``_flags``: it keeps the same timeout
+        self._inner.timeout = self._flags.timeout = float(value)
+
     @property
     def nccl_comm(self) -> Any:
         """The ``cupy.cuda.nccl.NcclCommunicator`` (do not start collectives on it)."""
