@@ -377,6 +377,51 @@ async def test_concurrent_buckets_do_not_mix(run, backend):
             assert_array_equal(a, b)
 
 
+class _SlowAfter:
+    """``comm``, but an ``all_reduce`` of an array of ``rows`` rows returns 0.2 s late."""
+
+    def __init__(self, comm: Communicator, rows: int) -> None:
+        self._comm, self._rows = comm, rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    async def all_reduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+        out = await self._comm.all_reduce(array, op=op)
+        if array.shape[0] == self._rows:
+            await asyncio.sleep(0.2)
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_powersgd_concurrent_buckets_issue_in_one_order(run, backend):
+    """PowerSGD's second all_reduce of a bucket (Q) waits for its first (P). With buckets in
+    flight at once (a wrapper's, overlapping backward), each used to issue its Q when its own
+    P completed: ranks that saw the Ps complete in another order called the Qs in another
+    order, a collective mismatch (CollectiveError). The buckets now take turns."""
+    sizes = [70_000, 3000]          # P has 265 and 55 rows
+    hook_rows = [PowerSGD.matrix_shape(n)[0] for n in sizes]
+
+    async def fn(comm: Communicator) -> list[np.ndarray]:
+        # rank 0 sees bucket 0's P late, the others bucket 1's
+        slow = _SlowAfter(comm, hook_rows[0] if comm.rank == 0 else hook_rows[1])
+        hook = PowerSGD(rank=2, warmup=0)
+        grads = [grad_of(comm.rank, n, "float32", seed=i) for i, n in enumerate(sizes)]
+        await asyncio.gather(*(hook.all_reduce_mean(slow, g, key=i)  # type: ignore[arg-type]
+                               for i, g in enumerate(grads)))
+        alone = [grad_of(comm.rank, n, "float32", seed=i) for i, n in enumerate(sizes)]
+        for i, g in enumerate(alone):
+            await PowerSGD(rank=2, warmup=0).all_reduce_mean(comm, g, key=i)
+        return [*grads, *alone]
+
+    async with asyncio.timeout(30):
+        results = await run(fn, 3, backend)
+    for got in results:
+        for a, b in zip(got[:2], got[2:], strict=True):
+            assert_array_equal(a, b)
+    assert_bit_identical([np.concatenate(got) for got in results])
+
+
 @pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "topk", "int8", "powersgd"])
 async def test_non_finite_values_propagate_but_never_reach_the_residual(run, spec):
     async def fn(comm: Communicator) -> tuple[np.ndarray, dict[Any, np.ndarray]]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import math
+import weakref
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -473,6 +474,10 @@ class PowerSGD(Compression):
     ``Q = M^T P``, all_reduce(SUM) ``Q``; the mean is ``P Q^T / W``. Every rank computes it
     from the same reduced ``P`` and ``Q``. The first ``warmup`` calls of each bucket are
     uncompressed (AVG all_reduce in grad's dtype), while ``Q`` is not yet worth anything.
+
+    A bucket's second all_reduce depends on its first, so buckets exchanged at once on one
+    communicator (a wrapper's buckets overlapping the backward pass) take turns, in the
+    order their calls started: every rank then issues the collectives in the same order.
     """
 
     name = "powersgd"
@@ -489,6 +494,11 @@ class PowerSGD(Compression):
         self.seed = int(seed)
         self._q: dict[Hashable, np.ndarray] = {}
         self._steps: dict[Hashable, int] = {}
+        #: one lock per communicator: a bucket's P and Q all_reduces run before the next
+        #: bucket's (concurrent buckets issued Q when their own P completed, in an order
+        #: that differed between ranks: a collective mismatch)
+        self._turns: weakref.WeakKeyDictionary[Communicator, asyncio.Lock] = (
+            weakref.WeakKeyDictionary())
 
     def __repr__(self) -> str:
         return (f"PowerSGD(rank={self.rank}, error_feedback={self.error_feedback}, "
@@ -501,6 +511,14 @@ class PowerSGD(Compression):
         return rows, max(1, -(-n // rows))
 
     async def _exchange(self, comm: Communicator, grad: np.ndarray, key: Hashable) -> None:
+        turn = self._turns.get(comm)
+        if turn is None:
+            turn = self._turns[comm] = asyncio.Lock()
+        async with turn:
+            await self._exchange_in_turn(comm, grad, key)
+
+    async def _exchange_in_turn(self, comm: Communicator, grad: np.ndarray, key: Hashable
+                                ) -> None:
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
         if step < self.warmup:
