@@ -200,6 +200,17 @@ async def test_compression_needs_an_all_reduce_strategy() -> None:
     async def rank(comm: Communicator) -> None:
         with pytest.raises(ValueError, match="ddp and zero1"):
             as_distributed(MLP(SIZES), comm, strategy="zero3", compression="int8")
+        # no compression, however spelt, is no compression: ZeRO-2/3 take it (it used to be
+        # refused as 'gradient compression' unless spelt exactly "none")
+        for spec in ("None", " none", NoCompression()):
+            for strategy in ("zero2", "zero3"):
+                dist = as_distributed(MLP(SIZES), comm, SGD(lr=0.1), strategy=strategy,
+                                      compression=spec)
+                assert isinstance(dist.compression, NoCompression)
+                await dist.step(split_batch(batches(1)[0], comm.rank, 2))
+        # a bad spec is reported as one, whatever the strategy
+        with pytest.raises(ValueError, match="bad compression spec 'topk:0'"):
+            as_distributed(MLP(SIZES), comm, strategy="zero2", compression="topk:0")
 
     await run_world(rank, 2, "memory")
 

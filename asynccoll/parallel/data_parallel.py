@@ -52,7 +52,7 @@ from .clip import (
     global_sum,
     nonfinite_error,
 )
-from .compression import Compression, make_compression
+from .compression import Compression, NoCompression, make_compression
 from .layout import Bucket, FlatLayout
 from .model import BufferSpec, Model, ModelParallelGroup
 from .optim import Optimizer, step_keeping
@@ -149,7 +149,8 @@ class DistributedModel:
                  broadcast_buffers: bool = True, max_grad_norm: float | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        if compression is not None and compression != "none" and strategy not in ("ddp", "zero1"):
+        hook = make_compression(compression)     # a bad spec is reported as such
+        if not isinstance(hook, NoCompression) and strategy not in ("ddp", "zero1"):
             raise ValueError(f"gradient compression replaces the gradient all-reduce, which only "
                              f"ddp and zero1 use; strategy {strategy!r} reduce-scatters")
         if bucket_bytes is None:
@@ -157,7 +158,7 @@ class DistributedModel:
         self.model = model
         self.comm = comm
         self.strategy = strategy
-        self.compression = make_compression(compression)
+        self.compression = hook
         self.prefetch = prefetch
         self.broadcast_buffers = bool(broadcast_buffers)
         self.max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
