@@ -344,7 +344,11 @@ class DistributedModel:
             raise
         finally:
             pending, self._pending = self._pending, []
-            leftovers = [t for t in [*pending, *self._gathering.values()] if not t.done()]
+            tasks = [*pending, *self._gathering.values()]
+            for t in tasks:
+                if t.done() and not t.cancelled():
+                    t.exception()   # retrieved: the pass reports a failure, not asyncio's log
+            leftovers = [t for t in tasks if not t.done()]
             for t in leftovers:
                 t.cancel()
             if leftovers:
@@ -809,6 +813,8 @@ async def _all(tasks: Sequence[asyncio.Future[Any]]) -> None:
         for t in tasks:
             if not t.done():
                 t.cancel()
+            elif not t.cancelled():
+                t.exception()       # retrieved: the first failure is the one re-raised
 
 
 async def agree_to_stop(comm: Communicator, stop: bool) -> bool:
