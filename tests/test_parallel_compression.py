@@ -422,6 +422,36 @@ async def test_powersgd_concurrent_buckets_issue_in_one_order(run, backend):
     assert_bit_identical([np.concatenate(got) for got in results])
 
 
+@pytest.mark.parametrize("bad", ["zero", "nan", "inf"])
+async def test_powersgd_recovers_after_a_zero_or_non_finite_step(run, bad):
+    """PowerSGD keeps each bucket's Q for the next step. After one all-zero gradient (a
+    frozen layer's, a step with no signal) Q was zero, so every later P = M Q was zero: the
+    bucket sent nothing ever again (its residual grew without end). After one NaN/inf
+    gradient (an overflowed step under loss scaling) Q was NaN: every later step was NaN.
+    Now the step after behaves as a fresh hook's first step."""
+    n = 400
+    fill = {"zero": 0.0, "nan": np.nan, "inf": np.inf}[bad]
+
+    async def fn(comm: Communicator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        hook, fresh = PowerSGD(rank=2, warmup=0), PowerSGD(rank=2, warmup=0)
+        first = np.full(n, fill, np.float32)
+        await hook.all_reduce_mean(comm, first, key=0)
+        got, want = [], []
+        for step in range(1, 4):
+            g = grad_of(comm.rank, n, "float32", seed=step)
+            h = g.copy()
+            await hook.all_reduce_mean(comm, g, key=0)
+            await fresh.all_reduce_mean(comm, h, key=0)
+            got.append(g)
+            want.append(h)
+        return got, want
+
+    for got, want in await run(fn, 2, "memory"):
+        for g, w in zip(got, want, strict=True):
+            assert np.isfinite(g).all() and np.abs(g).max() > 0.1
+            assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "topk", "int8", "powersgd"])
 async def test_non_finite_values_propagate_but_never_reach_the_residual(run, spec):
     async def fn(comm: Communicator) -> tuple[np.ndarray, dict[Any, np.ndarray]]:

@@ -474,6 +474,8 @@ class PowerSGD(Compression):
     ``Q = M^T P``, all_reduce(SUM) ``Q``; the mean is ``P Q^T / W``. Every rank computes it
     from the same reduced ``P`` and ``Q``. The first ``warmup`` calls of each bucket are
     uncompressed (AVG all_reduce in grad's dtype), while ``Q`` is not yet worth anything.
+    A step whose ``Q`` is not finite (a NaN or inf gradient) keeps the previous ``Q``, and a
+    column of ``Q`` that came out zero (a zero gradient) starts again from ``seed``.
 
     A bucket's second all_reduce depends on its first, so buckets exchanged at once on one
     communicator (a wrapper's buckets overlapping the backward pass) take turns, in the
@@ -530,27 +532,49 @@ class PowerSGD(Compression):
         r = min(self.rank, rows, cols)
         x = self._with_residual(grad, key)
         flat = np.zeros(rows * cols, np.float32)
-        flat[:n] = x
-        m = flat.reshape(rows, cols)
         q = self._q.get(key)
         if q is None or q.shape != (cols, r):
-            q = np.random.default_rng(self.seed).standard_normal((cols, r)).astype(np.float32)
-        p = np.ascontiguousarray(m @ q)
+            q = self._initial_q(cols, r)
+        # non-finite values propagate (inf - inf is NaN), quietly as the other methods do
+        with np.errstate(invalid="ignore", over="ignore"):
+            flat[:n] = x
+            m = flat.reshape(rows, cols)
+            p = np.ascontiguousarray(m @ q)
         await comm.all_reduce(p, op=ReduceOp.SUM)
         p = _orthonormal_columns(p)
-        q = np.ascontiguousarray(m.T @ p)
+        with np.errstate(invalid="ignore", over="ignore"):
+            q = np.ascontiguousarray(m.T @ p)
         await comm.all_reduce(q, op=ReduceOp.SUM)
         self.bytes_sent += (_all_reduce_wire_bytes(comm, p.size, p.itemsize)
                             + _all_reduce_wire_bytes(comm, q.size, q.itemsize))
-        self._q[key] = q.copy()
-        approx_sum = (p @ q.T).reshape(-1)[:n]
-        if self.error_feedback:
-            # this rank's own contribution is its projection P P^T M
-            mine = (p @ (p.T @ m)).reshape(-1)[:n]
-            with np.errstate(invalid="ignore"):
+        self._keep_q(key, q)
+        with np.errstate(invalid="ignore", over="ignore"):
+            approx_sum = (p @ q.T).reshape(-1)[:n]
+            if self.error_feedback:
+                # this rank's own contribution is its projection P P^T M
+                mine = (p @ (p.T @ m)).reshape(-1)[:n]
                 x -= mine.astype(grad.dtype)
-        np.divide(approx_sum, w, out=grad, casting="unsafe")
+            np.divide(approx_sum, w, out=grad, casting="unsafe")
         self._keep_residual(key, x)
+
+    def _initial_q(self, cols: int, r: int) -> np.ndarray:
+        """The ``Q`` a bucket starts from: random, from ``seed`` (the same on every rank)."""
+        return np.random.default_rng(self.seed).standard_normal((cols, r)).astype(np.float32)
+
+    def _keep_q(self, key: Hashable, q: np.ndarray) -> None:
+        """Keep the reduced ``q`` (the same on every rank) for the next step of ``key``.
+
+        A ``Q`` with a non-finite entry (an overflowed step) is not kept: the next step starts
+        from the previous one. A zero column (a zero gradient, or one of lower rank) gives
+        ``P = M Q`` a zero column at every later step, so it is started afresh from ``seed``.
+        Either would otherwise stay for good: NaN (or nothing) sent from then on."""
+        if not np.isfinite(q).all():
+            return
+        q = q.copy()
+        dead = ~q.any(axis=0)
+        if dead.any():
+            q[:, dead] = self._initial_q(*q.shape)[:, dead]
+        self._q[key] = q
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals, plus each bucket's ``Q`` and call count."""
