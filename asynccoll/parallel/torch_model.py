@@ -65,6 +65,14 @@ if TYPE_CHECKING:
 POLL_INTERVAL = 0.25
 
 
+def _strided_like_torch(array: np.ndarray) -> np.ndarray:
+    """``array``, or for a zero-size one (a tensor-parallel shard of a layer narrower than
+    the group, in a bucket of its own) a new empty array of its shape: NumPy gives views of
+    empty buckets zero strides, which torch's gradient accumulation warns about
+    ('grad and param do not obey the gradient layout contract'). It holds no data."""
+    return np.empty(array.shape, array.dtype) if array.size == 0 else array
+
+
 def import_torch() -> Any:
     """``import torch``, or an ImportError that says which extra to install."""
     try:
@@ -490,13 +498,13 @@ class TorchModel(_BoundArrays, Model):
         full = array.shape == spec.shape
         if full:
             if p.data.data_ptr() != array.ctypes.data or tuple(p.data.shape) != spec.shape:
-                p.data = torch.from_numpy(array)
+                p.data = torch.from_numpy(_strided_like_torch(array))
         elif p.data.numel() or tuple(p.data.shape) != (0,):
             p.data = torch.empty(0, dtype=p.dtype)
         if full and grad.shape == spec.shape:
             if (p.grad is None or p.grad.data_ptr() != grad.ctypes.data
                     or tuple(p.grad.shape) != spec.shape):
-                p.grad = torch.from_numpy(grad)
+                p.grad = torch.from_numpy(_strided_like_torch(grad))
         else:
             p.grad = None
 
