@@ -854,6 +854,24 @@ async def test_float16_models_train_under_every_strategy(strategy: str) -> None:
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8", "topk", "powersgd"])
+async def test_compression_of_a_float16_model_is_refused_when_made(compression: str) -> None:
+    """Compression methods take float32/float64 gradients only. A float16 model was accepted,
+    and its first step raised TypeError from the exchange, after the pass, with the
+    communicator broken (every later collective a CollectiveError). Now the wrapper refuses
+    it when made, and the communicator still works."""
+    async def rank(comm: Communicator) -> None:
+        model = MLP(SIZES, seed=3, dtype=np.float16)
+        with pytest.raises(TypeError, match=f"{compression.split(':')[0]} compression needs "
+                                            f"float32 or float64 parameters.*float16"):
+            as_distributed(model, comm, SGD(lr=0.05), compression=compression)
+        dist = as_distributed(model, comm, SGD(lr=0.05))
+        await dist.step(split_batch([a.astype(np.float16) for a in batches(1)[0]],
+                                    comm.rank, comm.world_size))
+
+    await run_world(rank, 2, "memory")
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_a_schedule_on_the_given_optimizer_reaches_every_strategy(strategy: str) -> None:
     """Setting the hyperparameters of the optimizer handed to the wrapper (a learning-rate

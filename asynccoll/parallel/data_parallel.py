@@ -171,6 +171,10 @@ class DistributedModel:
         self._norm_groups: list[ModelParallelGroup] | None = None
         self.rank, self.world_size = comm.rank, comm.world_size
         self.layout = lay = FlatLayout(model.param_specs(), comm.world_size, bucket_bytes)
+        if lay.dtype not in hook.dtypes:
+            # found here, not at the first exchange (after a pass, breaking the communicator)
+            raise TypeError(f"{hook.name} compression needs float32 or float64 parameters, "
+                            f"the model's are {lay.dtype}")
         self._sync = True
         self._started = False
         self._pending: list[asyncio.Task[Any]] = []
