@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import select
 import signal
@@ -20,8 +21,10 @@ log = logging.getLogger("asynccoll.launcher")
 GRACE_SECONDS = 5.0
 #: most bytes of a rank's output the launcher reads at once
 PUMP_CHUNK = 1 << 16
-#: a line longer than this goes out in pieces of about this size, each prefixed
+#: the start of a line longer than this goes out before its end has come
 LINE_LIMIT = 1 << 20
+#: seconds a rank's unfinished line (a progress bar, a prompt) waits for more before it is shown
+IDLE_FLUSH = 0.1
 
 
 def _run_loop(coro: Any) -> Any:
@@ -54,6 +57,99 @@ def _write_all(stream: Any, data: bytes) -> None:
         view = view[n:]
 
 
+def _same_file(a: Any, b: Any) -> bool:
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _utf8_tail(data: bytes | bytearray) -> int:
+    """How many bytes at the end of ``data`` are the start of a UTF-8 character whose other
+    bytes have not come yet (0 when none, or when it is not UTF-8 at all)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return 0
+        if byte >= 0xC0:  # the first byte of a character, which is 2, 3 or 4 bytes long
+            size = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return back if back < size else 0
+    return 0
+
+
+_LINE_ENDS = re.compile(rb"(\r\n|\r|\n)")
+#: where a rank's output stands: at the start of a line; inside a line (``_MID``); just after a
+#: carriage return (``_CR``: a progress bar will draw over its line); or, after a carriage
+#: return, with the line ended for it by another writer (``_ENDED_CR``: its ``\n`` is done)
+_LINE, _MID, _CR, _ENDED_CR = range(4)
+
+
+class _Screen:
+    """One terminal or file the launcher writes to (stdout and stderr are one when they are
+    the same file): which rank's output, if any, left its last line unfinished there."""
+
+    __slots__ = ("open_by",)
+
+    def __init__(self) -> None:
+        self.open_by: _Tagger | None = None
+
+
+class _Tagger:
+    """Puts ``[rank] `` before every line of one output of one rank, and before every redraw
+    of a line after a carriage return (``\r``: progress bars), in pieces as they come."""
+
+    __slots__ = ("prefix", "screen", "state")
+
+    def __init__(self, rank: int, screen: _Screen) -> None:
+        self.prefix = f"[{rank}] ".encode()
+        self.screen = screen
+        self.state = _LINE
+
+    def format(self, data: bytes) -> bytes:
+        prefix = self.prefix
+        parts = []
+        if self.state in (_CR, _ENDED_CR) and data[:1] == b"\n":  # the end of a \r\n
+            if self.state == _CR:
+                parts.append(b"\n")
+            data = data[1:]
+            self.state = _LINE
+        if not data:
+            pass
+        elif b"\r" not in data or data.count(b"\r") == data.count(b"\r\n"):
+            # whole lines, the usual case: one replace
+            lead = b"" if self.state == _MID else prefix
+            if data.endswith(b"\n"):
+                parts += [lead, data[:-1].replace(b"\n", b"\n" + prefix), b"\n"]
+                self.state = _LINE
+            else:
+                parts += [lead, data.replace(b"\n", b"\n" + prefix)]
+                self.state = _MID
+        else:
+            bits = _LINE_ENDS.split(data)  # piece, its end, piece, its end, ..., the rest
+            for i in range(0, len(bits) - 1, 2):
+                piece, end = bits[i], bits[i + 1]
+                if piece:
+                    if self.state != _MID:
+                        parts.append(prefix)
+                    parts += [piece, end]
+                elif self.state == _MID or (self.state == _CR and end != b"\r"):
+                    parts.append(end)
+                elif end == b"\r":
+                    continue  # back to the start of a line that has nothing yet
+                elif self.state == _ENDED_CR:
+                    self.state = _LINE  # (its end was written when the line was ended)
+                    continue
+                else:
+                    parts += [prefix, end]  # an empty line
+                self.state = _CR if end == b"\r" else _LINE
+            if bits[-1]:
+                if self.state != _MID:
+                    parts.append(prefix)
+                parts.append(bits[-1])
+                self.state = _MID
+        return b"".join(parts)
+
+
 #: Variables that size BLAS / OpenMP thread pools; ``run`` sets OMP_NUM_THREADS if none is set.
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -83,6 +179,8 @@ class _Launcher:
         self.interrupted = False
         #: sys.stdout / sys.stderr once whoever reads them has gone (a broken pipe)
         self.closed_outputs: set[Any] = set()
+        #: per output (sys.stdout, sys.stderr), where the ranks' lines go
+        self.screens: dict[Any, _Screen] = {}
 
     def env(self, rank: int, rdv_port: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -121,25 +219,69 @@ class _Launcher:
         self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, output, rdv_port)))
 
     async def _pump(self, rank: int, stream: asyncio.StreamReader, out: Any) -> None:
-        """Copy ``stream`` to ``out``, each line prefixed with ``[rank]``: a line goes out once
-        it ends (or at the end of the output), one longer than ``LINE_LIMIT`` in pieces,
-        every line that a read brought in one write."""
-        prefix = f"[{rank}] ".encode()
+        """Copy ``stream`` to ``out``, each line prefixed with ``[rank] ``, and each redraw
+        after a carriage return too (a progress bar keeps its prefix). What a read brings goes
+        out in one write, up to its last line end or carriage return; the start of a line
+        whose end has not come goes out once the rank has written nothing for ``IDLE_FLUSH``
+        seconds (progress bars, prompts) or once it passes ``LINE_LIMIT``, never in the
+        middle of a UTF-8 character. A line left unfinished when another rank (or the
+        launcher) writes to the same terminal or file is ended there; its rest comes on a
+        line of its own, prefixed again."""
+        tagger = _Tagger(rank, self._screen(out))
         begun = bytearray()  # the start of a line whose end has not come yet
+        due: float | None = None  # when that goes out, if nothing ends it before
+        loop = asyncio.get_running_loop()
         while True:
-            chunk = await stream.read(PUMP_CHUNK)
-            begun += chunk
-            end = begun.rfind(b"\n") + 1
-            if not chunk or len(begun) - end >= LINE_LIMIT:
-                end = len(begun)  # the rest goes out too, ended by a newline
+            try:
+                if due is not None:
+                    async with asyncio.timeout_at(due):
+                        chunk = await stream.read(PUMP_CHUNK)
+                else:
+                    chunk = await stream.read(PUMP_CHUNK)
+            except TimeoutError:
+                end = len(begun) - _utf8_tail(begun)
+            else:
+                if not chunk:  # the end of its output: the rest, and a line end
+                    self._emit(tagger, out, bytes(begun))
+                    if tagger.screen.open_by is tagger:
+                        tagger.screen.open_by = None
+                        self._write(out, b"\n")
+                    return
+                begun += chunk
+                end = begun.rfind(b"\n") + 1
+                cr = begun.rfind(b"\r", end)
+                if cr >= 0:  # up to a redraw after it, which goes out with its \r
+                    end = len(begun) if cr == len(begun) - 1 else cr
+                if len(begun) - end >= LINE_LIMIT:
+                    end = len(begun) - _utf8_tail(begun)
             if end:
-                lines = bytes(begun[:end])
+                self._emit(tagger, out, bytes(begun[:end]))
                 del begun[:end]
-                if lines.endswith(b"\n"):
-                    lines = lines[:-1]
-                self._write(out, prefix + lines.replace(b"\n", b"\n" + prefix) + b"\n")
-            if not chunk:
-                return
+                due = None
+            if due is None and len(begun) > _utf8_tail(begun):  # (dots, one by one: shown)
+                due = loop.time() + IDLE_FLUSH
+
+    def _screen(self, out: Any) -> _Screen:
+        """The screen of ``out``: that of another output that is the same file (``2>&1``,
+        one terminal), else its own."""
+        screen = self.screens.get(out)
+        if screen is None:
+            screen = next((s for o, s in self.screens.items() if _same_file(o, out)),
+                          _Screen())
+            self.screens[out] = screen
+        return screen
+
+    def _emit(self, tagger: _Tagger, out: Any, data: bytes) -> None:
+        text = tagger.format(data)
+        if not text:
+            return
+        screen = tagger.screen
+        other = screen.open_by
+        if other is not None and other is not tagger:  # end the line it left unfinished
+            other.state = _ENDED_CR if other.state == _CR else _LINE
+            text = b"\n" + text
+        screen.open_by = tagger if tagger.state in (_MID, _CR) else None
+        self._write(out, text)
 
     def _write(self, out: Any, data: bytes) -> None:
         if out in self.closed_outputs:
@@ -363,7 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log more (-v: INFO, -vv: DEBUG)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="start N local processes of a script, one per rank")
+    run = sub.add_parser(
+        "run", help="start N local processes of a script, one per rank",
+        description="Start N local processes of a script, one per rank, with a rendezvous "
+                    "for them. Each line of a rank's output is prefixed with [rank] (its "
+                    "stdout to stdout, its stderr to stderr); the start of an unfinished line "
+                    "shows after 0.1 s without more, and a progress bar redrawn after a "
+                    "carriage return keeps its prefix. When a rank fails, the others are "
+                    "stopped and the launcher exits with its code (unless --elastic).")
     run.add_argument("-n", "--nproc", dest="n", type=int, required=True, help="number of ranks")
     run.add_argument("--addr", default="127.0.0.1",
                      help="address the ranks use to reach the rendezvous (default 127.0.0.1)")

@@ -15,6 +15,7 @@ import io
 import os
 import random
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -379,6 +380,163 @@ def test_run_output_survives_a_non_blocking_stdout_pipe(tmp_path: Path) -> None:
         assert [ln for ln in lines if ln.startswith(f"[{rank}] ")] == [
             f"[{rank}] line {i:05d} " + "x" * 1000 for i in range(1500)]
     assert len(lines) == 3000
+
+
+def _wait_for_output(fd: int, got: bytearray, want: bytes, timeout: float) -> bool:
+    """Read ``fd`` into ``got`` until ``want`` is in it (True) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while want not in got:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return False
+        piece = os.read(fd, 1 << 16)
+        if not piece:
+            return want in got
+        got += piece
+    return True
+
+
+def test_run_shows_a_progress_bar_as_it_is_drawn(tmp_path: Path) -> None:
+    r"""A rank drawing a progress bar (tqdm: ``\r`` and the bar, no newline until the end):
+    nothing of it showed until the newline (or 1 MiB) came, and then the redraws after the
+    first one had no ``[rank]``. Each redraw shows now, while the rank waits, prefixed, on
+    stderr (where it wrote it), stdout untouched."""
+    script = tmp_path / "bar.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "for i in range(3):\n"
+        "    sys.stderr.write(f'\\rstep {i}')\n"
+        "    deadline = time.monotonic() + 15\n"
+        "    while not os.path.exists(sys.argv[1] + str(i)) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.02)\n"
+        "sys.stderr.write('\\n')\n")
+    flag = str(tmp_path / "seen")
+    popen = subprocess.Popen(launcher("-n", "1", str(script), flag), cwd=REPO, env=clean_env(),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert popen.stderr is not None
+        got = bytearray()
+        for i in range(3):
+            t0 = time.monotonic()
+            shown = _wait_for_output(popen.stderr.fileno(), got, f"[0] step {i}".encode(), 10)
+            assert shown, f"redraw {i} not shown in 10 s: {bytes(got)!r}"
+            assert time.monotonic() - t0 < 5
+            Path(flag + str(i)).touch()
+        out, err = popen.communicate(timeout=30)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    assert popen.returncode == 0, bytes(got + err)
+    assert bytes(got + err) == b"[0] step 0\r[0] step 1\r[0] step 2\n"
+    assert out == b""
+
+
+class _Collected:
+    """A launcher output (as sys.stdout: ``.buffer``) that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.got = bytearray()
+        self.buffer = self
+        self.wrote = asyncio.Event()
+
+    def write(self, b: Any) -> int:
+        self.got += bytes(b)
+        self.wrote.set()
+        return len(b)
+
+    async def shows(self, expected: bytes, timeout: float = 10.0) -> bool:
+        """Whether what it was given becomes ``expected`` within ``timeout``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while bytes(self.got) != expected:
+                    self.wrote.clear()
+                    await self.wrote.wait()
+        return bytes(self.got) == expected
+
+    def flush(self) -> None:
+        pass
+
+
+def _bare_launcher() -> Any:
+    from asynccoll.cli import _Launcher
+
+    return _Launcher(1, ["script.py"], addr="127.0.0.1", port=0, token="t", bind="127.0.0.1")
+
+
+async def test_run_output_shows_an_unfinished_line_whole_characters_only() -> None:
+    """A rank that wrote the start of a line and paused (a prompt, a bar, ``print(end='')``)
+    showed nothing until the line ended; and a line over 1 MiB went out in pieces cut
+    anywhere, a UTF-8 character split in two between them (undecodable on both sides).
+    The start shows after a short pause, up to its last whole character."""
+    from asynccoll.cli import LINE_LIMIT
+
+    out = _Collected()
+    launcher = _bare_launcher()
+    stream = asyncio.StreamReader(limit=1 << 20)
+    pump = asyncio.ensure_future(launcher._pump(3, stream, out))
+    try:
+        stream.feed_data(b"loss 0.25 " + "€".encode()[:2])
+        assert await out.shows(b"[3] loss 0.25 ")
+        await asyncio.sleep(0.3)
+        assert bytes(out.got) == b"[3] loss 0.25 ", "half a character went out"
+        stream.feed_data("€".encode()[2:] + b"\n")
+        long = "é" * (LINE_LIMIT // 2 + 12_345)  # more than LINE_LIMIT bytes, cut mid-way
+        stream.feed_data(b"x" + long.encode() + b"\n")
+        stream.feed_eof()
+        await asyncio.wait_for(pump, 30)
+    finally:
+        pump.cancel()
+    text = bytes(out.got).decode()  # every byte of every character, in order
+    assert text == "[3] loss 0.25 €\n[3] x" + long + "\n"
+
+
+async def test_run_output_shows_progress_dots_as_they_come() -> None:
+    """A rank printing a dot every few hundredths of a second (``print('.', end='')``): the
+    line shows as it grows, not only once the rank pauses or ends the line."""
+    out = _Collected()
+    stream = asyncio.StreamReader(limit=1 << 20)
+    pump = asyncio.ensure_future(_bare_launcher()._pump(0, stream, out))
+    try:
+        t0 = time.monotonic()
+        while not out.got and time.monotonic() - t0 < 5:
+            stream.feed_data(b".")
+            await asyncio.sleep(0.03)
+        assert out.got.startswith(b"[0] ."), bytes(out.got)
+        assert time.monotonic() - t0 < 1.0
+        stream.feed_data(b"\n")
+        stream.feed_eof()
+        await asyncio.wait_for(pump, 30)
+    finally:
+        pump.cancel()
+    assert re.fullmatch(rb"\[0\] \.+\n", out.got), bytes(out.got)
+
+
+async def test_run_output_keeps_each_line_to_one_rank() -> None:
+    r"""Two ranks writing to one terminal: a line shown unfinished (a bar) is ended before
+    another rank's line, and goes on prefixed again, so no line holds two ranks' text; a
+    redraw after ``\r`` keeps its prefix, ``\r\n`` line ends pass as they are."""
+    out = _Collected()
+    launcher = _bare_launcher()
+    streams = [asyncio.StreamReader(limit=1 << 20) for _ in range(2)]
+    pumps = [asyncio.ensure_future(launcher._pump(r, s, out)) for r, s in enumerate(streams)]
+    try:
+        streams[0].feed_data(b"\r 10%|#")
+        assert await out.shows(b"[0]  10%|#")
+        streams[0].feed_data(b"\r 20%|##")
+        assert await out.shows(b"[0]  10%|#\r[0]  20%|##")
+        streams[1].feed_data(b"epoch 1\r\n")
+        assert await out.shows(b"[0]  10%|#\r[0]  20%|##\n[1] epoch 1\r\n")
+        streams[0].feed_data(b"\r 30%|###\n")
+        for s in streams:
+            s.feed_eof()
+        await asyncio.wait_for(asyncio.gather(*pumps), 30)
+    finally:
+        for p in pumps:
+            p.cancel()
+    assert bytes(out.got) == (b"[0]  10%|#\r[0]  20%|##\n[1] epoch 1\r\n"
+                              b"[0]  30%|###\n")
 
 
 def test_info() -> None:
