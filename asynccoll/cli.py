@@ -29,6 +29,7 @@ IDLE_FLUSH = 0.1
 
 def _run_loop(coro: Any) -> Any:
     """``asyncio.run`` on uvloop when it is installed."""
+    _open_std_fds()
     try:
         import uvloop
     except ImportError:
@@ -62,6 +63,20 @@ def _same_file(a: Any, b: Any) -> bool:
         return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
     except (AttributeError, OSError, ValueError):
         return False
+
+
+def _open_std_fds() -> None:
+    """Open /dev/null on whichever of fds 0, 1 and 2 is closed (``asynccoll run ... >&-``).
+    Else the event loop's or a rank's pipe takes its number: output meant for the terminal
+    goes into that pipe, and uvloop aborts the process when it closes it."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # (the lowest free number: fd itself)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def _utf8_tail(data: bytes | bytearray) -> int:
@@ -284,7 +299,7 @@ class _Launcher:
         self._write(out, text)
 
     def _write(self, out: Any, data: bytes) -> None:
-        if out in self.closed_outputs:
+        if out is None or out in self.closed_outputs:
             return  # still read, so that the rank never blocks on a full pipe
         try:
             _write_all(out.buffer, data)

@@ -539,6 +539,27 @@ async def test_run_output_keeps_each_line_to_one_rank() -> None:
                               b"[0]  30%|###\n")
 
 
+@pytest.mark.parametrize("closed", [0, 1, 2])
+def test_run_with_a_standard_stream_closed(tmp_path: Path, closed: int) -> None:
+    """``asynccoll run ... >&-`` (or ``2>&-``, ``<&-``, as some job schedulers and daemons
+    start programs): the first pipe took the free descriptor, and uvloop aborted the ranks
+    and the launcher (``Assertion `fd > STDERR_FILENO' failed``; asyncio: a traceback about
+    ``None.buffer``). The job runs; what would go to the closed stream is dropped."""
+    script = tmp_path / "both.py"
+    script.write_text("import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\n")
+    res = subprocess.run(["sh", "-c", f'exec "$@" {closed}>&-', "sh",
+                           *launcher("-n", "2", str(script))], cwd=REPO, env=clean_env(),
+                         capture_output=True, timeout=60, check=False)
+    out, err = res.stdout.decode(), res.stderr.decode()
+    assert res.returncode == 0, out + err
+    assert "Traceback" not in err and "Assertion" not in err, err
+    for rank in range(2):
+        if closed != 1:
+            assert f"[{rank}] to stdout" in out.splitlines(), out
+        if closed != 2:
+            assert f"[{rank}] to stderr" in err.splitlines(), err
+
+
 def test_info() -> None:
     res = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=30, check=False)
