@@ -298,6 +298,22 @@ class _Launcher:
         screen.open_by = tagger if tagger.state in (_MID, _CR) else None
         self._write(out, text)
 
+    def _say(self, message: str) -> None:
+        """Write the launcher's own ``message`` to stderr, on a line of its own (waiting
+        while a non-blocking stderr is full, rather than failing)."""
+        out = sys.stderr
+        if out is None:
+            return
+        data = message.encode(getattr(out, "encoding", None) or "utf-8", "backslashreplace")
+        screen = self._screen(out)
+        if screen.open_by is not None:
+            other, screen.open_by = screen.open_by, None
+            other.state = _ENDED_CR if other.state == _CR else _LINE
+            data = b"\n" + data
+        with contextlib.suppress(OSError, ValueError):
+            out.flush()
+        self._write(out, data)
+
     def _write(self, out: Any, data: bytes) -> None:
         if out is None or out in self.closed_outputs:
             return  # still read, so that the rank never blocks on a full pipe
@@ -324,21 +340,21 @@ class _Launcher:
             pass  # stopped by the Ctrl-C (or SIGTERM, SIGHUP) that main reports
         elif self.elastic is not None and not self.stopping:
             # elastic: the others re-form without it; a replacement joins if restarts are left
-            log.warning("rank %d exited with %s; the others go on", rank, code)
+            log.info("rank %d exited with %s; the others go on", rank, code)
             if self.restarts_left > 0 and not self.interrupted:
                 self.restarts_left -= 1
                 label = len(self.procs)
-                sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
-                                 f"starting a replacement as [{label}]\n")
+                self._say(f"asynccoll run: rank {rank} exited with code {code}; "
+                          f"starting a replacement as [{label}]\n")
                 await self.spawn(label, rdv_port)
             else:
-                sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
-                                 f"the others go on\n")
+                self._say(f"asynccoll run: rank {rank} exited with code {code}; "
+                          f"the others go on\n")
         elif code != 0 and self.first_failure is None and not self.stopping:
             self.first_failure = (rank, code)
-            log.warning("rank %d exited with %s; stopping the other ranks", rank, code)
-            sys.stderr.write(f"asynccoll run: rank {rank} exited with code {code}; "
-                             f"stopping the others\n")
+            log.info("rank %d exited with %s; stopping the other ranks", rank, code)
+            self._say(f"asynccoll run: rank {rank} exited with code {code}; "
+                      f"stopping the others\n")
             await self.stop()
         await output
 
@@ -372,8 +388,8 @@ class _Launcher:
         try:
             await server.start()
         except OSError as exc:
-            sys.stderr.write(f"asynccoll run: cannot start the rendezvous server on "
-                             f"{self.bind}:{self.port}: {exc}\n")
+            self._say(f"asynccoll run: cannot start the rendezvous server on "
+                      f"{self.bind}:{self.port}: {exc}\n")
             return 1
         loop = asyncio.get_running_loop()
         interrupted = asyncio.Event()
@@ -401,7 +417,7 @@ class _Launcher:
                     *(w for w in self.watchers if not w.done()), interrupt]
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if interrupt.done():
-                sys.stderr.write("asynccoll run: interrupted; stopping the ranks\n")
+                self._say("asynccoll run: interrupted; stopping the ranks\n")
                 try:
                     async with asyncio.timeout(GRACE_SECONDS):
                         await self._wait_all()
@@ -417,8 +433,8 @@ class _Launcher:
             await server.close()
         if self.elastic is not None:
             if self.succeeded < self.elastic[0]:
-                sys.stderr.write(f"asynccoll run: only {self.succeeded} processes succeeded, "
-                                 f"fewer than --min-nodes {self.elastic[0]}\n")
+                self._say(f"asynccoll run: only {self.succeeded} processes succeeded, "
+                          f"fewer than --min-nodes {self.elastic[0]}\n")
                 return 1
             return 0
         if self.first_failure is not None:

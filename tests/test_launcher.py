@@ -560,6 +560,59 @@ def test_run_with_a_standard_stream_closed(tmp_path: Path, closed: int) -> None:
             assert f"[{rank}] to stderr" in err.splitlines(), err
 
 
+def test_run_says_why_it_stops_on_a_full_non_blocking_stderr(tmp_path: Path) -> None:
+    """The launcher's stderr a non-blocking pipe that is full for now (a reader that falls
+    behind): its 'rank N exited with code C; stopping the others' was lost (the write
+    failed with BlockingIOError). It waits until the pipe takes it."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(30)\n")
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    filled = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            filled += os.write(w, b"." * 4096)
+    try:
+        popen = subprocess.Popen(launcher("-n", "2", str(script)), cwd=REPO, env=clean_env(),
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=w, start_new_session=True)
+    finally:
+        os.close(w)
+    got = bytearray()
+    try:
+        time.sleep(2.0)  # rank 1 has failed by now
+        deadline = time.monotonic() + 30
+        with open(r, "rb", buffering=0) as reader:
+            while time.monotonic() < deadline and (piece := reader.read(1 << 16)):
+                got += piece
+        code = popen.wait(30)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    text = got[filled:].decode(errors="replace")
+    assert code == 3, text
+    assert text == "asynccoll run: rank 1 exited with code 3; stopping the others\n"
+
+
+def test_run_reports_a_failed_rank_once(reaper: Callable[..., Proc], tmp_path: Path) -> None:
+    """A failed rank was reported twice, in two wordings: a log record
+    ('... asynccoll.launcher WARNING: rank 1 exited with 3; stopping the other ranks') and
+    'asynccoll run: rank 1 exited with code 3; stopping the others'. Once now."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(30)\n")
+    proc = reaper(launcher("-n", "2", str(script)))
+    assert proc.finish(30) == 3, proc.output
+    assert [line for line in proc.lines if "exited" in line] == [
+        "asynccoll run: rank 1 exited with code 3; stopping the others"], proc.output
+
+
 def test_info() -> None:
     res = subprocess.run([sys.executable, "-m", "asynccoll", "info"], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=30, check=False)
