@@ -123,11 +123,13 @@ class _Tagger:
     def format(self, data: bytes) -> bytes:
         prefix = self.prefix
         parts = []
-        if self.state in (_CR, _ENDED_CR) and data[:1] == b"\n":  # the end of a \r\n
-            if self.state == _CR:
-                parts.append(b"\n")
-            data = data[1:]
-            self.state = _LINE
+        if self.state in (_CR, _ENDED_CR):  # a line end now ends the line it returned over
+            cut = 1 if data[:1] == b"\n" else 2 if data[:2] == b"\r\n" else 0
+            if cut:
+                if self.state == _CR:
+                    parts.append(data[:cut])
+                data = data[cut:]
+                self.state = _LINE
         if not data:
             pass
         elif b"\r" not in data or data.count(b"\r") == data.count(b"\r\n"):
@@ -139,6 +141,19 @@ class _Tagger:
             else:
                 parts += [lead, data.replace(b"\n", b"\n" + prefix)]
                 self.state = _MID
+        elif b"\n" not in data and b"\r\r" not in data:
+            # redraws of one line, the usual case of a progress bar: one replace
+            if data[:1] == b"\r" and self.state != _MID:
+                data = data[1:]  # (nothing to return over)
+            if data:
+                lead = b"" if self.state == _MID else prefix
+                body = data.replace(b"\r", b"\r" + prefix)
+                if data.endswith(b"\r"):
+                    parts += [lead, body[:-len(prefix)]]
+                    self.state = _CR
+                else:
+                    parts += [lead, body]
+                    self.state = _MID
         else:
             bits = _LINE_ENDS.split(data)  # piece, its end, piece, its end, ..., the rest
             for i in range(0, len(bits) - 1, 2):

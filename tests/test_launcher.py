@@ -513,6 +513,23 @@ async def test_run_output_shows_progress_dots_as_they_come() -> None:
     assert re.fullmatch(rb"\[0\] \.+\n", out.got), bytes(out.got)
 
 
+@pytest.mark.parametrize("pieces, shown", [
+    ([b"a\n", b"\n", b"b"], b"[2] a\n[2] \n[2] b"),                   # lines, an empty one
+    ([b"\r 1%", b"\r 2%\r", b" 3%\n"], b"[2]  1%\r[2]  2%\r[2]  3%\n"),  # a bar, each redraw
+    ([b"a\r", b"\r\n", b"b\r\n"], b"[2] a\r\r\n[2] b\r\n"),            # \r\n ends the line
+    ([b"a\r", b"\n", b"\r\rb"], b"[2] a\r\n[2] b"),                     # (split between reads)
+    ([b"\r\r", b"\r"], b""),                                            # nothing to return over
+])
+def test_run_output_prefixes_every_line_and_redraw(pieces: list[bytes], shown: bytes) -> None:
+    """What one rank's output becomes, read in the pieces given: every line and every
+    redraw after a carriage return starts with the prefix, whichever way it is cut; a line
+    end after a carriage return ends the line (no empty prefixed line)."""
+    from asynccoll.cli import _Screen, _Tagger
+
+    tagger = _Tagger(2, _Screen())
+    assert b"".join(tagger.format(p) for p in pieces) == shown
+
+
 async def test_run_output_keeps_each_line_to_one_rank() -> None:
     r"""Two ranks writing to one terminal: a line shown unfinished (a bar) is ended before
     another rank's line, and goes on prefixed again, so no line holds two ranks' text; a
