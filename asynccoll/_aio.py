@@ -48,6 +48,20 @@ async def close_server(server: asyncio.Server) -> None:
     server.close()
 
 
+def writelines(transport: asyncio.WriteTransport, parts: list[bytes | memoryview]) -> None:
+    """``transport.writelines(parts)`` with the flow control that CPython 3.12 and 3.13.0 drop.
+
+    Their selector transports' gather write keeps what the kernel did not take in the loop's
+    buffer without checking the high-water mark: the protocol is never paused, so
+    ``drain()`` returns at once (unbounded buffering) and nothing tells the writer when the
+    loop is done with the parts' memory. Setting the limits again runs that check (a no-op
+    where the transport already paused, or nothing is buffered)."""
+    transport.writelines(parts)
+    low, high = transport.get_write_buffer_limits()
+    if transport.get_write_buffer_size() > high:
+        transport.set_write_buffer_limits(high=high, low=low)
+
+
 #: seconds ``wait_server_closed`` waits for a closed server's connections to go
 SERVER_CLOSE_TIMEOUT = 1.0
 

@@ -27,6 +27,7 @@ import logging
 import secrets
 from typing import Any, Final
 
+from ._aio import writelines
 from .errors import AuthenticationError, ProtocolError
 from .wire import (
     PREFIX_SIZE,
@@ -402,7 +403,7 @@ async def read_frame(reader: asyncio.StreamReader, max_payload: int) -> Frame | 
 
 def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
     """Queue ``frame`` on ``writer`` (call ``await writer.drain()`` for back-pressure)."""
-    writer.writelines(encode_frame(frame))
+    writelines(writer.transport, encode_frame(frame))
 
 
 async def _read_handshake_frame(reader: asyncio.StreamReader, step: str) -> Frame:

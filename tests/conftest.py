@@ -229,3 +229,25 @@ def logs() -> Iterator[LogWatch]:
     finally:
         logger.removeHandler(watch)
         logger.setLevel(level)
+
+
+@pytest.fixture(params=["as installed", "without pause"])
+def gather_writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the stdlib selector transports' ``writelines`` as installed, and as
+    CPython 3.12 and 3.13.0 ship it on any version: a gather write that leaves bytes in the
+    loop's buffer without pausing the protocol (so ``drain()`` returns at once)."""
+    if request.param == "without pause":
+        import asyncio.selector_events as selector_events
+
+        cls = selector_events._SelectorSocketTransport
+        original = cls.writelines
+
+        def writelines_without_pause(self: Any, parts: Any) -> None:
+            self._maybe_pause_protocol = lambda: None  # (shadows the method for this call)
+            try:
+                original(self, parts)
+            finally:
+                del self._maybe_pause_protocol
+
+        monkeypatch.setattr(cls, "writelines", writelines_without_pause)
+    return str(request.param)

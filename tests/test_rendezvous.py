@@ -539,7 +539,7 @@ async def test_unknown_op_from_client_is_rendezvous_error(client: RendezvousClie
     assert await client.num_keys() == 0
 
 
-async def test_client_that_does_not_read_is_dropped(logs: LogWatch) -> None:
+async def test_client_that_does_not_read_is_dropped(logs: LogWatch, gather_writes: str) -> None:
     async with RendezvousServer(token=TOKEN, send_timeout=0.3,
                                 max_value_bytes=4 << 20) as srv:
         async with await connect(srv, max_value_bytes=4 << 20) as c:

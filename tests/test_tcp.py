@@ -945,6 +945,35 @@ async def test_large_send_recv_8mib(recv_first: bool) -> None:
     assert results[2] is True
 
 
+@pytest.mark.timeout(60)
+async def test_a_returned_send_leaves_the_array_to_the_caller(gather_writes: str) -> None:
+    """Once ``send`` returned, the caller may overwrite the array: the event loop no longer
+    holds its memory. (CPython 3.12 and 3.13.0's gather write never paused the connection, so
+    ``send`` returned while most of a large array still waited in the loop, and the receiver
+    got what the caller wrote into it afterwards.)"""
+    n = (32 << 20) // 8  # more than the socket buffers hold
+
+    async def fn(comm: Communicator) -> Any:
+        if comm.rank == 0:
+            data = np.full(n, 1.5)
+            await comm.send(data, dst=1)
+            transport = comm.transport
+            assert isinstance(transport, TcpTransport)
+            unsent = transport.unsent_bytes(1)  # (the loop's buffers: none left)
+            data[:] = -7.0
+            await comm.barrier()
+            return unsent
+        await asyncio.sleep(0.3)  # the sender's bytes pile up meanwhile
+        got = await comm.recv(src=0)
+        await comm.barrier()
+        return int(np.count_nonzero(got != 1.5))
+
+    async with asyncio.timeout(45):
+        results = await asynccoll.run_local(fn, 2, backend="tcp", timeout=30.0, token=TOKEN)
+    assert results[0] == 0, f"send returned with {results[0]} bytes still in the event loop"
+    assert results[1] == 0, f"{results[1]} of {n} elements changed after send returned"
+
+
 # ------------------------------------------------------------------ a peer breaking the rules
 
 def _spoofed_p2p() -> bytes:
