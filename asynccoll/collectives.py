@@ -364,6 +364,34 @@ class Communicator:
         plan = self._plans.get(key)
         return plan if plan is not None and _fits(array, writable) else None
 
+    def _where(self, seq: int) -> str:
+        """Which call of which group collective ``seq`` is, for error messages."""
+        if self._group == 0:
+            return f"sequence number {seq} of the world"
+        ranks = list(self._ranks)
+        shown = (str(ranks) if len(ranks) <= 8
+                 else f"[{', '.join(map(str, ranks[:6]))}, ..., {ranks[-1]}] ({len(ranks)} ranks)")
+        return f"sequence number {seq} of the group of world ranks {shown}"
+
+    def _stalled(self, seq: int) -> str:
+        """What a stalled collective ``seq`` still waited for (its posted receives, else its
+        unwritten sends), with ``_where``: what a timeout's message says beside the call."""
+        t = self._transport
+        ranks = self._ranks
+
+        def name(world: int) -> str:
+            if self._group == 0:
+                return f"world rank {world}"
+            return f"group rank {ranks.index(world)} (world rank {world})"
+
+        waited = t.mailbox.awaited(self._group, seq)
+        if waited:
+            return f"{self._where(seq)}; waiting for {', '.join(map(name, waited))}"
+        unsent = [r for r in ranks if r != t.rank and t.unsent_bytes(r)]
+        if unsent:
+            return f"{self._where(seq)}; its frames to {', '.join(map(name, unsent))} unsent"
+        return self._where(seq)
+
     def _check_open(self) -> None:
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
@@ -421,7 +449,8 @@ class Communicator:
         except asyncio.CancelledError:
             if watchdog.expired(task):
                 err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made "
-                                        f"no progress within {self.timeout:g} s")
+                                        f"no progress within {self.timeout:g} s "
+                                        f"({self._stalled(seq)})")
                 t.abort(err, scope=scope)
                 raise err from None
             t.abort(CollectiveError(f"{describe_sig(sig)} was cancelled on group rank "

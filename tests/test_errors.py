@@ -758,3 +758,36 @@ async def test_run_local_names_an_unknown_option() -> None:
     with pytest.raises(TypeError, match=r"backend 'tcp' got unexpected options 'a', 'b'; "
                                         r"it takes .*peer_loss"):
         await asynccoll.run_local(fn, 2, "tcp", a=1, b=2)
+
+
+@pytest.mark.parametrize("in_group", [False, True])
+async def test_a_timeout_names_the_call_and_the_rank_it_waited_for(backend, in_group):
+    """An on-call engineer reading a CollectiveTimeout learns which call of which group
+    stalled (its sequence number) and which rank never sent its part: the one to look at."""
+    timeout = 0.4
+
+    async def fn(comm: Communicator) -> Outcome | None:
+        group = comm
+        if in_group:  # world ranks 2 and 0, renumbered 0 and 1; world rank 1 stays out
+            group = await comm.new_group([2, 0])
+            if group is None:
+                return None
+        group.timeout = timeout
+        await group.all_reduce(np.ones(5))  # sequence number 0: completes
+        if comm.rank == 2 or (not in_group and comm.rank == 1):
+            await asyncio.sleep(timeout * 1.25 + PROMPT)  # alive, but never calls
+            return None
+        return await outcome(group.all_reduce(np.ones((2, 3), np.float32)))
+
+    results = await guarded(fn, 3 if in_group else 2, backend)
+    err = results[0].error
+    assert isinstance(err, CollectiveTimeout), err
+    text = str(err)
+    assert "all_reduce(<f4, (2, 3), sum" in text, text
+    assert "sequence number 1 " in text, text
+    if in_group:
+        assert "group of world ranks [2, 0]" in text, text
+        assert "waiting for group rank 0 (world rank 2)" in text, text
+    else:
+        assert "of the world" in text, text
+        assert "waiting for world rank 1" in text, text

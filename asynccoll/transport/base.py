@@ -251,6 +251,11 @@ class Mailbox:
         self._posted[key] = _Posted(fut, into, sig, borrow, reduce)
         return fut
 
+    def awaited(self, group: int, seq: int) -> list[int]:
+        """World ranks whose frames of collective ``(group, seq)`` posted receives wait for."""
+        return sorted({k[0] for k in self._posted
+                       if k[1] == _DATA and k[2] == group and k[3] == seq})
+
     def unpost(self, key: Key) -> None:
         self._posted.pop(key, None)
 
