@@ -379,17 +379,20 @@ class Communicator:
         t = self._transport
         ranks = self._ranks
 
-        def name(world: int) -> str:
+        def name(world: list[int]) -> str:
+            s = "s" if len(world) > 1 else ""
+            listed = ", ".join(map(str, world))
             if self._group == 0:
-                return f"world rank {world}"
-            return f"group rank {ranks.index(world)} (world rank {world})"
+                return f"world rank{s} {listed}"
+            return (f"group rank{s} {', '.join(str(ranks.index(r)) for r in world)} "
+                    f"(world rank{s} {listed})")
 
         waited = t.mailbox.awaited(self._group, seq)
         if waited:
-            return f"{self._where(seq)}; waiting for {', '.join(map(name, waited))}"
+            return f"{self._where(seq)}; waiting for {name(waited)}"
         unsent = [r for r in ranks if r != t.rank and t.unsent_bytes(r)]
         if unsent:
-            return f"{self._where(seq)}; its frames to {', '.join(map(name, unsent))} unsent"
+            return f"{self._where(seq)}; its frames to {name(unsent)} unsent"
         return self._where(seq)
 
     def _check_open(self) -> None:
