@@ -791,3 +791,19 @@ async def test_a_timeout_names_the_call_and_the_rank_it_waited_for(backend, in_g
     else:
         assert "of the world" in text, text
         assert "waiting for world rank 1" in text, text
+
+
+async def test_a_mismatch_names_the_sequence_number_of_the_call(backend):
+    """Ranks that disagree deep into a job learn which call it was (its sequence number),
+    not only the two signatures, which a loop repeats call after call."""
+    async def fn(comm: Communicator) -> Outcome:
+        for _ in range(3):  # sequence numbers 0-2 agree
+            await comm.all_reduce(np.ones(4))
+        dtype = np.float32 if comm.rank == 1 else np.float64
+        return await outcome(comm.all_reduce(np.ones(4, dtype)))
+
+    results = await guarded(fn, 2, backend)
+    for res in results:
+        assert isinstance(res.error, CollectiveError), res.error
+        assert "collective mismatch" in str(res.error), res.error
+        assert "sequence number 3 of the world" in str(res.error), res.error

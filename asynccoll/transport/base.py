@@ -392,9 +392,12 @@ class Mailbox:
 
     def _mismatch(self, src: int, theirs: tuple[Any, ...] | None, mine: tuple[Any, ...],
                   scope: Scope) -> None:
+        group, seq = scope
+        where = "the world" if group == 0 else f"group {group:#x}"
         self._on_mismatch(CollectiveError(
             f"collective mismatch: world rank {src} called {describe_sig(theirs)} "
-            f"but world rank {self.rank} called {describe_sig(mine)}"), scope)
+            f"but world rank {self.rank} called {describe_sig(mine)} (sequence number "
+            f"{seq} of {where})"), scope)
 
 
 def checked_payload(frame: Frame, sig: tuple[Any, ...] | None) -> Any:
