@@ -395,6 +395,23 @@ class Communicator:
             return f"{self._where(seq)}; its frames to {name(unsent)} unsent"
         return self._where(seq)
 
+    def _in_call(self, exc: CollectiveError, sig: tuple[Any, ...], seq: int
+                 ) -> CollectiveError:
+        """``exc``, which ended collective ``seq`` here, as an error that names that call
+        too (a lost peer, a failure relayed from another rank, a close say nothing of it);
+        ``exc`` itself where its message names the call already (a mismatch, a timeout)."""
+        described = describe_sig(sig)
+        text = str(exc)
+        if described in text:
+            return exc
+        message = f"{described} on group rank {self._rank} ({self._where(seq)}): {text}"
+        if isinstance(exc, PeerLostError):
+            return PeerLostError(message, rank=exc.rank)
+        try:
+            return type(exc)(message)
+        except Exception:  # pragma: no cover - a subclass that takes more than a message
+            return exc
+
     def _check_open(self) -> None:
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
@@ -461,7 +478,7 @@ class Communicator:
             raise
         except CollectiveError as exc:
             t.abort(exc, scope=scope)
-            raise
+            raise self._in_call(exc, sig, seq) from None
         except Exception as exc:
             t.abort(CollectiveError(f"{describe_sig(sig)} failed on group rank {self._rank}: "
                                     f"{exc!r}"), scope=scope)

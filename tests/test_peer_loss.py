@@ -120,3 +120,26 @@ async def test_a_lost_peer_is_reported_once_in_a_crowded_world(
     lost = [r.getMessage() for r in caplog.records
             if r.getMessage().startswith("rank 0: lost connection to rank 1")]
     assert len(lost) == 1, lost
+
+
+async def test_a_lost_peer_error_names_the_call_each_survivor_was_in() -> None:
+    """Each survivor's PeerLostError says which of its calls the loss cut short (signature,
+    sequence number), not only which rank was lost: what an on-call engineer lines up
+    across the ranks' logs."""
+    async def rank(comm: Communicator) -> PeerLostError | None:
+        await comm.barrier()  # sequence number 0
+        if comm.rank == 2:
+            await asyncio.sleep(0.2)
+            await crash(comm)
+            return None
+        with pytest.raises(PeerLostError) as info:
+            async with asyncio.timeout(5):
+                await comm.all_reduce(np.ones((2, 3), np.float32))
+        return info.value
+
+    got = await asynccoll.run_local(rank, 3, "tcp", timeout=10)
+    for err in got[:2]:
+        assert err is not None and err.rank == 2, err
+        assert "all_reduce(<f4, (2, 3), sum" in str(err), err
+        assert "sequence number 1 of the world" in str(err), err
+        assert "world rank 2" in str(err), err
