@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import re
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -129,6 +130,10 @@ def check_timeout(timeout: object) -> float:
     if not float(timeout) >= 0:  # NaN too
         raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
     return float(timeout)
+
+
+#: how an error relayed from another rank (an ABORT frame) begins
+_RELAYED = re.compile(r"world rank \d+ aborted: ")
 
 
 class _Watchdog:
@@ -373,26 +378,25 @@ class Communicator:
                  else f"[{', '.join(map(str, ranks[:6]))}, ..., {ranks[-1]}] ({len(ranks)} ranks)")
         return f"sequence number {seq} of the group of world ranks {shown}"
 
+    def _names(self, world: list[int]) -> str:
+        """World ranks of this group, as its errors name them."""
+        s = "s" if len(world) > 1 else ""
+        listed = ", ".join(map(str, world))
+        if self._group == 0:
+            return f"world rank{s} {listed}"
+        return (f"group rank{s} {', '.join(str(self._ranks.index(r)) for r in world)} "
+                f"(world rank{s} {listed})")
+
     def _stalled(self, seq: int) -> str:
         """What a stalled collective ``seq`` still waited for (its posted receives, else its
         unwritten sends), with ``_where``: what a timeout's message says beside the call."""
         t = self._transport
-        ranks = self._ranks
-
-        def name(world: list[int]) -> str:
-            s = "s" if len(world) > 1 else ""
-            listed = ", ".join(map(str, world))
-            if self._group == 0:
-                return f"world rank{s} {listed}"
-            return (f"group rank{s} {', '.join(str(ranks.index(r)) for r in world)} "
-                    f"(world rank{s} {listed})")
-
         waited = t.mailbox.awaited(self._group, seq)
         if waited:
-            return f"{self._where(seq)}; waiting for {name(waited)}"
-        unsent = [r for r in ranks if r != t.rank and t.unsent_bytes(r)]
+            return f"{self._where(seq)}; waiting for {self._names(waited)}"
+        unsent = [r for r in self._ranks if r != t.rank and t.unsent_bytes(r)]
         if unsent:
-            return f"{self._where(seq)}; its frames to {name(unsent)} unsent"
+            return f"{self._where(seq)}; its frames to {self._names(unsent)} unsent"
         return self._where(seq)
 
     def _in_call(self, exc: CollectiveError, sig: tuple[Any, ...], seq: int
@@ -402,13 +406,21 @@ class Communicator:
         ``exc`` itself where its message names the call already (a mismatch, a timeout)."""
         described = describe_sig(sig)
         text = str(exc)
-        if described in text:
+        relayed = type(exc) is CollectiveError and _RELAYED.match(text)
+        waited = self._transport.mailbox.awaited(self._group, seq) if relayed else None
+        if waited:
+            # another rank gave up (its timer fired first, say): what this rank itself
+            # waited for leads on towards a rank that never called
+            text += (f"; {self._names([self._transport.rank])} was waiting for "
+                     f"{self._names(waited)}")
+        if described not in text:
+            text = f"{described} on group rank {self._rank} ({self._where(seq)}): {text}"
+        elif not waited:
             return exc
-        message = f"{described} on group rank {self._rank} ({self._where(seq)}): {text}"
         if isinstance(exc, PeerLostError):
-            return PeerLostError(message, rank=exc.rank)
+            return PeerLostError(text, rank=exc.rank)
         try:
-            return type(exc)(message)
+            return type(exc)(text)
         except Exception:  # pragma: no cover - a subclass that takes more than a message
             return exc
 

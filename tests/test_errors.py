@@ -807,3 +807,26 @@ async def test_a_mismatch_names_the_sequence_number_of_the_call(backend):
         assert isinstance(res.error, CollectiveError), res.error
         assert "collective mismatch" in str(res.error), res.error
         assert "sequence number 3 of the world" in str(res.error), res.error
+
+
+async def test_a_timeout_relayed_to_a_rank_says_what_that_rank_waited_for(backend):
+    """A rank that never calls stalls its direct peers first, and the first timer to fire
+    may be another rank's: 3 ranks, world rank 2 absent, rank 1 (the shortest timeout)
+    times out waiting for rank 0, which waits for rank 2. Rank 0's error, relayed from rank 1,
+    must still say whom rank 0 itself waited for, so that the lines of the ranks together
+    lead to rank 2."""
+    async def fn(comm: Communicator) -> Outcome | None:
+        await comm.all_reduce(np.ones(4))
+        if comm.rank == 2:
+            await asyncio.sleep(1.5)  # alive, but never calls
+            return None
+        comm.timeout = 0.3 if comm.rank == 1 else 5.0
+        return await outcome(comm.all_reduce(np.ones(4)))
+
+    results = await guarded(fn, 3, backend)
+    first, relayed = results[1].error, results[0].error
+    assert isinstance(first, CollectiveTimeout), first
+    assert "waiting for world rank 0" in str(first), first
+    assert isinstance(relayed, CollectiveError), relayed
+    assert str(relayed).startswith("world rank 1 aborted: "), relayed
+    assert str(relayed).endswith("; world rank 0 was waiting for world rank 2"), relayed

@@ -124,6 +124,9 @@ class Mailbox:
         self._active: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._early_sig: dict[tuple[int, int], tuple[int, tuple[Any, ...] | None]] = {}
         self._lost: dict[int, CollectiveError] = {}
+        # per collective (group, seq): the world ranks whose frames its receives still waited
+        # for when a failure cut them short (``awaited``: what its error can name)
+        self._cut: dict[tuple[int, int], set[int]] = {}
         # early frames whose payload still belongs to the (in-process) sender: the future
         # tells the sender when the receiver has copied it
         self._lent: dict[Key, asyncio.Future[None]] = {}
@@ -159,6 +162,8 @@ class Mailbox:
 
     def end(self, group: int, seq: int) -> None:
         self._active.pop((group, seq), None)
+        if self._cut:
+            self._cut.pop((group, seq), None)
 
     def take(self, key: Key, into: memoryview | None, borrow: bool = False) -> Frame | None:
         """The frame for ``key`` if it arrived already (copied into ``into`` when given).
@@ -252,9 +257,15 @@ class Mailbox:
         return fut
 
     def awaited(self, group: int, seq: int) -> list[int]:
-        """World ranks whose frames of collective ``(group, seq)`` posted receives wait for."""
-        return sorted({k[0] for k in self._posted
-                       if k[1] == _DATA and k[2] == group and k[3] == seq})
+        """World ranks whose frames of collective ``(group, seq)`` posted receives wait for
+        (or waited for, when a failure failed them)."""
+        return sorted({k[0] for k in self._posted if k[1] == _DATA and k[2] == group
+                       and k[3] == seq}.union(self._cut.get((group, seq), ())))
+
+    def _cut_short(self, key: Key) -> None:
+        """Note that a failure failed the posted receive of ``key`` (see ``awaited``)."""
+        if key[1] == _DATA:
+            self._cut.setdefault((key[2], key[3]), set()).add(key[0])
 
     def unpost(self, key: Key) -> None:
         self._posted.pop(key, None)
@@ -339,6 +350,7 @@ class Mailbox:
         self._lost.setdefault(src, exc)
         for key in [k for k in self._posted if k[0] == src]:
             posted = self._posted.pop(key)
+            self._cut_short(key)
             _fail_future(posted.future, exc)
 
     def fail(self, exc: CollectiveError, scope: Scope | None = None) -> bool:
@@ -358,6 +370,7 @@ class Mailbox:
         else:
             return False
         for key in [k for k in self._posted if not self._key_allowed(k)]:
+            self._cut_short(key)
             _fail_future(self._posted.pop(key).future, exc)
         for key in [k for k in self._early if not self._key_allowed(k)]:
             del self._early[key]
