@@ -382,6 +382,8 @@ class Recv:
         h = frame.header
         assert h.dtype is not None and h.shape is not None  # check_payload guarantees it
         if self.reduce is not None and frame.payload is self.reduce:
+            if self.reduce.error is not None:
+                raise self.reduce.error
             self.reduced = True
             return self.reduce.dest
         into = self.into

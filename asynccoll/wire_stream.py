@@ -191,9 +191,14 @@ class ReduceOnRead:
     combines each piece while it is still in cache, instead of reading the whole payload into
     memory and reading it back to combine it. ``dest`` must be 1-d and C-contiguous, with as
     many bytes as the payload; ``fn`` must combine element by element.
+
+    An exception from ``fn`` (an overflow under ``np.seterr(over="raise")``) is kept in
+    ``error`` and the rest of the payload read without combining: the reader stays at the
+    frame's end (raised there, it would parse the rest of the payload as frames); the receive
+    raises it.
     """
 
-    __slots__ = ("dest", "fn", "nbytes")
+    __slots__ = ("dest", "error", "fn", "nbytes")
 
     def __init__(self, dest: np.ndarray, fn: Callable[[np.ndarray, np.ndarray], None]) -> None:
         if dest.ndim != 1 or not dest.flags.c_contiguous:
@@ -201,6 +206,7 @@ class ReduceOnRead:
         self.dest = dest
         self.fn = fn
         self.nbytes = dest.nbytes
+        self.error: Exception | None = None
 
 
 #: Chooses where a frame's payload goes once its header is known: a writable memoryview of
@@ -380,12 +386,15 @@ class BufferedFrameReader:
         assert pieces is not None
         size = red.dest.itemsize
         whole = nbytes - nbytes % size
-        if whole:
+        if whole and red.error is None:
             dtype = red.dest.dtype
             first = done // size
             piece = (np.frombuffer(src, dtype, whole // size) if src is not None
                      else pieces[:whole].view(dtype))
-            red.fn(red.dest[first:first + whole // size], piece)
+            try:
+                red.fn(red.dest[first:first + whole // size], piece)
+            except Exception as exc:  # the receive raises it (see ReduceOnRead)
+                red.error = exc
         rest = nbytes - whole
         if rest:
             if src is not None:

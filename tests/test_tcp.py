@@ -792,6 +792,34 @@ async def test_peer_lost_in_a_collective(world_size: int, n: int) -> None:
                 await c.barrier()
 
 
+async def test_an_error_combining_a_payload_as_it_is_read_reaches_the_caller(
+        logs: LogWatch) -> None:
+    """The ring adds large partial sums into the array as they are read off the socket. An
+    error there (an overflow under ``np.seterr(over="raise")``, set to debug a model) left the
+    connection's reader in the middle of the payload: the rest was parsed as frames, and the
+    ranks logged 'rank 0 broke the protocol: bad magic', lost connections and refused
+    reconnections. The error reaches the collective's caller, as it does for small arrays,
+    and the connection stays whole: nothing is logged."""
+    async def fn(comm: Communicator) -> BaseException | None:
+        x = np.full(4_000_000, 3e38, np.float32)  # 16 MB: ring, added as it is read
+        try:
+            await comm.all_reduce(x)
+        except Exception as exc:
+            return exc
+        return None
+
+    saved = np.seterr(over="raise")
+    try:
+        async with asyncio.timeout(10):
+            errors = await asynccoll.run_local(fn, 2, "tcp", timeout=5)
+    finally:
+        np.seterr(**saved)
+    assert all(isinstance(e, (FloatingPointError, CollectiveError)) for e in errors), errors
+    assert any(isinstance(e, FloatingPointError) for e in errors), errors
+    await asyncio.sleep(0.2)  # what the ranks would log after the failure
+    assert logs.messages() == [], logs.messages()
+
+
 @pytest.mark.parametrize("n", [100, 50_000])  # recursive doubling; the ring read directly
 async def test_collective_timeout_on_tcp(n: int) -> None:
     timeout = 1.5
