@@ -133,7 +133,7 @@ def check_timeout(timeout: object) -> float:
 
 
 #: how an error relayed from another rank (an ABORT frame) begins
-_RELAYED = re.compile(r"world rank \d+ aborted: ")
+_RELAYED = re.compile(r"world rank (\d+) aborted: ")
 
 
 class _Watchdog:
@@ -405,17 +405,17 @@ class Communicator:
         too (a lost peer, a failure relayed from another rank, a close say nothing of it);
         ``exc`` itself where its message names the call already (a mismatch, a timeout)."""
         described = describe_sig(sig)
-        text = str(exc)
-        relayed = type(exc) is CollectiveError and _RELAYED.match(text)
+        text = original = str(exc)
+        relayed = _RELAYED.match(text) if type(exc) is CollectiveError else None
         waited = self._transport.mailbox.awaited(self._group, seq) if relayed else None
-        if waited:
+        if waited and relayed and waited != [int(relayed[1])]:  # (not only the one that said)
             # another rank gave up (its timer fired first, say): what this rank itself
             # waited for leads on towards a rank that never called
             text += (f"; {self._names([self._transport.rank])} was waiting for "
                      f"{self._names(waited)}")
         if described not in text:
             text = f"{described} on group rank {self._rank} ({self._where(seq)}): {text}"
-        elif not waited:
+        elif text == original:
             return exc
         if isinstance(exc, PeerLostError):
             return PeerLostError(text, rank=exc.rank)
