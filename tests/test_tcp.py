@@ -816,6 +816,8 @@ async def test_an_error_combining_a_payload_as_it_is_read_reaches_the_caller(
         np.seterr(**saved)
     assert all(isinstance(e, (FloatingPointError, CollectiveError)) for e in errors), errors
     assert any(isinstance(e, FloatingPointError) for e in errors), errors
+    # the other rank names the one that failed, once (not again as the rank it waited for)
+    assert not any("was waiting for" in str(e) for e in errors), errors
     await asyncio.sleep(0.2)  # what the ranks would log after the failure
     assert logs.messages() == [], logs.messages()
 
