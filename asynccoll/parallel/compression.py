@@ -9,8 +9,9 @@ them itself, in rank order, with the same NumPy operations.
 
 Error feedback (``error_feedback=True``): what compression dropped from a bucket, ``(grad +
 residual) - decompressed``, is kept per ``key`` and added to the next gradient of that bucket,
-so that nothing is lost for good, only delayed. It is what makes aggressive sparsification
-converge; ``Compression.state_dict`` / ``Compression.load_state_dict`` carry it through
+so that nothing is lost for good, only delayed. With plain SGD it is what makes aggressive
+sparsification converge (with momentum it may not help: see docs/training.md);
+``Compression.state_dict`` / ``Compression.load_state_dict`` carry it through
 checkpoints. Non-finite values (an overflowed step under loss scaling) propagate to the result
 as they would uncompressed, and are never stored in a residual.
 
@@ -347,7 +348,7 @@ class TopK(Compression):
     ``k`` is ``ceil(ratio * n)`` for a bucket of ``n`` elements unless given (at most ``n``).
     Values and indices are all_gathered; every rank scatter-adds them into zeros in rank
     order, and divides by the world size. With error feedback (the default, and what makes
-    small ratios converge) the unsent entries carry over to the next step.
+    small ratios converge under plain SGD) the unsent entries carry over to the next step.
     """
 
     name = "topk"
