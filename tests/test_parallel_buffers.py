@@ -82,6 +82,14 @@ def buffers_of(module: Any) -> dict[str, np.ndarray]:
     return {n: b.detach().numpy().copy() for n, b in module.named_buffers()}
 
 
+def copy_first_buffers(copies: list[Any]) -> None:
+    """Copy the first network's buffers into the others (DDP's broadcast_buffers)."""
+    for c in copies[1:]:
+        for (_, mine), (_, root) in zip(c.named_buffers(), copies[0].named_buffers(),
+                                        strict=True):
+            mine.copy_(root)
+
+
 def reference(world: int, steps: int, *, broadcast: bool) -> list[dict[str, np.ndarray]]:
     """One process, plain torch: a copy of the network per rank, each on its share of every
     batch; the averaged gradient applied to all (torch.optim.SGD); with ``broadcast``, copy 0's
@@ -91,10 +99,7 @@ def reference(world: int, steps: int, *, broadcast: bool) -> list[dict[str, np.n
     opts = [torch.optim.SGD(c.parameters(), lr=LR, momentum=MOMENTUM) for c in copies]
     for batch in batches(steps):
         if broadcast:
-            for c in copies[1:]:
-                for (_, mine), (_, root) in zip(c.named_buffers(), copies[0].named_buffers(),
-                                                strict=True):
-                    mine.copy_(root)
+            copy_first_buffers(copies)
         for r, c in enumerate(copies):
             x, y = split_batch(batch, r, world)
             nn.MSELoss()(c(torch.from_numpy(x)), torch.from_numpy(y)).backward()
@@ -464,10 +469,7 @@ def pipe_reference(data: int, steps: int, *, broadcast: bool) -> list[Any]:
     opts = [torch.optim.SGD(c.parameters(), lr=LR, momentum=MOMENTUM) for c in copies]
     for batch in batches(steps):
         if broadcast:
-            for c in copies[1:]:
-                for (_, mine), (_, root) in zip(c.named_buffers(), copies[0].named_buffers(),
-                                                strict=True):
-                    mine.copy_(root)
+            copy_first_buffers(copies)
         for r, c in enumerate(copies):
             x, y = split_batch(batch, r, data)
             for xm, ym in zip(np.array_split(x, MICRO), np.array_split(y, MICRO), strict=True):

@@ -372,6 +372,23 @@ def torch_net(seed: int) -> Any:
                                torch.nn.Linear(4, 3)).double()
 
 
+def torch_reference(data: list[Any]) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Plain torch on the whole network and batches (SGD, momentum 0.9): the losses and the
+    final parameters."""
+    import torch
+
+    net = torch_net(0)
+    ref = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in data:
+        ref.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        ref.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 async def test_torch_stages_equal_plain_torch(backend: str, schedule: str) -> None:
@@ -379,16 +396,7 @@ async def test_torch_stages_equal_plain_torch(backend: str, schedule: str) -> No
     from asynccoll.parallel.pipeline import TorchStage
 
     data = batches(sizes=[5, 3])
-    net = torch_net(0)
-    ref = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    want_losses = []
-    for x, y in data:
-        ref.zero_grad()
-        loss = torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        ref.step()
-        want_losses.append(float(loss.detach()))
-    want = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+    want_losses, want = torch_reference(data)
 
     async def rank(comm: Communicator) -> tuple[list[float], dict[str, np.ndarray]]:
         parts = split_sequential(torch_net(0), comm.world_size)
@@ -416,16 +424,7 @@ async def test_data_parallel_over_torch_stages(strategy: str, schedule: str) -> 
     from asynccoll.parallel.pipeline import TorchStage
 
     data = batches(sizes=[5, 3])
-    net = torch_net(0)
-    ref = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    want_losses = []
-    for x, y in data:
-        ref.zero_grad()
-        loss = torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        ref.step()
-        want_losses.append(float(loss.detach()))
-    want = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+    want_losses, want = torch_reference(data)
 
     async def rank(comm: Communicator) -> tuple[int, list[float], dict[str, np.ndarray]]:
         mesh = await Mesh.create(comm, data=2, pipe=2)
