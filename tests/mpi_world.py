@@ -435,3 +435,71 @@ async def test_mpi_a_rank_that_gave_up_leaves_the_next_world_working() -> None:
 
     for r, sums in enumerate(await run_world(fn, W, "mpi", timeout=5.0)):
         assert sums == [2.0] * 24, f"rank {r}: {sums}"
+
+
+
+@pytest.mark.parametrize("in_group", [False, True])
+async def test_mpi_a_timeout_names_the_call_and_its_group(in_group: bool) -> None:
+    """As on memory and tcp, a timeout names the call's sequence number and its group, so
+    the ranks' lines can be matched call by call. The mpi backend said only
+    'all_reduce(...) on group rank 1 made no progress within 0.5 s'."""
+    timeout = 0.5
+
+    async def fn(comm: Communicator) -> tuple[str, str] | None:
+        group = comm
+        if in_group:  # world ranks 2 and 0, renumbered 0 and 1; world rank 1 stays out
+            sub = await comm.new_group([2, 0])
+            if sub is None:
+                return None
+            group = sub
+        group.timeout = timeout
+        await group.all_reduce(np.ones(5))  # sequence number 0: completes
+        if group.rank == 0:
+            await asyncio.sleep(timeout * 2.5)  # alive, but never calls
+            return None
+        try:
+            await group.all_reduce(np.ones((2, 3), np.float32))
+        except CollectiveError as exc:
+            return type(exc).__name__, str(exc)
+        return "no error", ""
+
+    got = await run_world(fn, W, "mpi", timeout=10.0)
+    where = "of the group of world ranks [2, 0]" if in_group else "of the world"
+    waited = [res for res in got if res is not None]
+    assert len(waited) == (1 if in_group else 2), got
+    assert "CollectiveTimeout" in [name for name, _ in waited], got
+    for _, text in waited:  # (or the other's timeout, relayed just before its own)
+        assert "all_reduce(<f4, (2, 3), sum) on group rank " in text, text
+        assert "made no progress within 0.5 s" in text, text
+        assert f"(sequence number 1 {where})" in text, text
+
+
+async def test_mpi_a_relayed_failure_names_the_call_it_ended() -> None:
+    """As on memory and tcp, a failure of another rank that ends a call in flight starts
+    with that call (its signature, group rank and sequence number): the world closed by
+    rank 0 (a recv in flight) under the others' all_reduce used to read only 'the
+    communicator is broken: world rank 0 failed: ...', not which call of theirs it ended."""
+    async def fn(comm: Communicator) -> str:
+        sub = await comm.new_group([1, 2])
+        await comm.barrier()  # sequence numbers 0 (new_group) and 1 of the world
+        if comm.rank == 0:
+            waiting = asyncio.ensure_future(comm.recv(1, tag=5))  # a call in flight
+            await asyncio.sleep(0.3)
+            await comm.close()
+            with pytest.raises(CommunicatorClosedError):
+                await waiting
+            return ""
+        assert sub is not None
+        await sub.barrier()  # sequence number 0 of the group
+        try:
+            await sub.all_reduce(np.ones(3, np.int64))  # rank 0 is not in it: completes
+            await comm.all_reduce(np.ones(4))  # rank 0 never calls it
+        except CollectiveError as exc:
+            return type(exc).__name__ + ": " + str(exc)
+        return "no error"
+
+    got = await run_world(fn, W, "mpi", timeout=8.0)
+    for r in (1, 2):
+        assert got[r].startswith(f"CollectiveError: all_reduce(<f8, (4,), sum) on group rank "
+                                 f"{r} (sequence number 2 of the world): "), got[r]
+        assert "closed" in got[r], got[r]

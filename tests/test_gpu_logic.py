@@ -268,6 +268,24 @@ def test_signature_check_switch(fake: Any, check: bool) -> None:
         assert got == ["ok [3.0, 3.0, 3.0, 3.0] [3.0, 3.0, 3.0]"] * W
 
 
+def test_a_mismatch_names_the_sequence_number_of_the_device_call(fake: Any) -> None:
+    """As on memory and tcp, ranks that disagree deep into a job learn which call it was:
+    the nccl backend named the two signatures only, which a loop repeats call after call."""
+    async def fn(comm: Any) -> str:
+        for _ in range(2):  # device calls 0 and 1 agree
+            await comm.all_reduce(dev(fake, np.ones(4)))
+        await comm.all_reduce(np.ones(3))  # a host array: the TCP world's call, not counted
+        try:
+            await comm.all_reduce(dev(fake, np.ones(4 + (comm.rank == 1))))
+        except CollectiveError as exc:
+            return str(exc)
+        return "no error"
+
+    for msg in run_nccl(fn, world_size=2):
+        assert "(4,)" in msg and "(5,)" in msg, msg
+        assert "(sequence number 2 of the world, counting calls on GPU arrays)" in msg, msg
+
+
 def test_long_device_collectives_wake_on_a_host_function(fake: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A device collective still running after the spin is woken by a host function queued

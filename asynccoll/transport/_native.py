@@ -29,20 +29,40 @@ def digest(sig: tuple[Any, ...]) -> int:
     return int.from_bytes(raw, "little", signed=True)
 
 
-def signature_mismatch(rank: int, mine: str, other: int, theirs: str) -> CollectiveError:
+def signature_mismatch(rank: int, mine: str, other: int, theirs: str, where: str
+                       ) -> CollectiveError:
     """The error of ranks that called different collectives (``mine`` and ``theirs`` are
-    ``describe_sig`` texts)."""
+    ``describe_sig`` texts; ``where``: ``Communicator._where`` of the call)."""
     return CollectiveError(f"ranks called different collectives: group rank {rank} called "
-                           f"{mine}, group rank {other} called {theirs}")
+                           f"{mine}, group rank {other} called {theirs} ({where})")
 
 
 # -------------------------------------------------------------------------------- failures
 
 
-def no_progress(sig: tuple[Any, ...], rank: int, timeout: float) -> CollectiveTimeout:
-    """The error of a collective that timed out on group rank ``rank``."""
+def no_progress(sig: tuple[Any, ...], rank: int, timeout: float, where: str
+                ) -> CollectiveTimeout:
+    """The error of a collective that timed out on group rank ``rank`` (``where``:
+    ``Communicator._where`` of the call; which ranks it still waited for, the native
+    library does not tell)."""
     return CollectiveTimeout(f"{describe_sig(sig)} on group rank {rank} made no progress "
-                             f"within {timeout:g} s")
+                             f"within {timeout:g} s ({where})")
+
+
+def in_call(exc: CollectiveError, sig: tuple[Any, ...], rank: int, where: str
+            ) -> CollectiveError:
+    """``exc``, which ended a collective here, as an error that names that call too (a
+    failure relayed from another rank, a close say nothing of it), as
+    ``Communicator._in_call`` does; ``exc`` itself where it names the call already."""
+    described = describe_sig(sig)
+    text = str(exc)
+    if described in text:
+        return exc
+    text = f"{described} on group rank {rank} ({where}): {text}"
+    try:
+        return type(exc)(text)
+    except Exception:  # pragma: no cover - a subclass that takes more than a message
+        return exc
 
 
 def failed_in(library: str, sig: tuple[Any, ...], rank: int, exc: BaseException
@@ -56,19 +76,22 @@ class Failures:
     """Wraps the body of one collective: whatever escapes it breaks the communicator.
 
     On the way out, ``fail(err)`` is called with a ``CollectiveError``
-    describing what happened, and the exception goes on: a cancellation or a
-    ``CollectiveError`` unchanged, an exception of the native library (``library_error``)
-    replaced by ``err`` (chained), any other exception unchanged.
+    describing what happened, and the exception goes on: a cancellation unchanged, a
+    ``CollectiveError`` as ``in_call`` names it (``where(seq)``: ``Communicator._where``),
+    an exception of the native library (``library_error``) replaced by ``err`` (chained),
+    any other exception unchanged.
     """
 
     def __init__(self, sig: tuple[Any, ...], rank: int, library: str,
-                 library_error: type[BaseException], fail: Callable[[CollectiveError], None]
-                 ) -> None:
+                 library_error: type[BaseException], fail: Callable[[CollectiveError], None],
+                 where: Callable[[int], str], seq: int) -> None:
         self.sig = sig
         self.rank = rank
         self.library = library
         self.library_error = library_error
         self.fail = fail
+        self.where = where
+        self.seq = seq
 
     def __enter__(self) -> None:
         return None
@@ -80,6 +103,9 @@ class Failures:
                                       f"{self.rank}"))
         elif isinstance(exc, CollectiveError):
             self.fail(exc)
+            named = in_call(exc, self.sig, self.rank, self.where(self.seq))
+            if named is not exc:
+                raise named from None
         elif isinstance(exc, self.library_error):
             err = failed_in(self.library, self.sig, self.rank, exc)
             self.fail(err)
@@ -162,4 +188,4 @@ def scatter_blocks(a: Any, w: int) -> tuple[list[int], list[int]]:
 
 __all__ = ["Failures", "block_sizes", "check_arrays", "check_axis", "check_gather_out",
            "check_ndim", "digest", "failed_in", "gather_alone", "gather_mismatch",
-           "no_progress", "offsets", "scatter_blocks", "signature_mismatch"]
+           "in_call", "no_progress", "offsets", "scatter_blocks", "signature_mismatch"]

@@ -201,7 +201,8 @@ class _Op:
                                     self.timeout_error, WAIT_SPIN_SECONDS)
 
     def timeout_error(self) -> CollectiveTimeout:
-        return no_progress(self.sig, self.comm._rank, self.comm.timeout)
+        comm = self.comm
+        return no_progress(self.sig, comm._rank, comm.timeout, comm._where(self.ticket))
 
 
 class MpiCommunicator(Communicator):
@@ -229,7 +230,9 @@ class MpiCommunicator(Communicator):
         self._transport = world  # type: ignore[assignment]
         self._ranks = tuple(ranks)
         self._rank = int(stage0.Get_rank())
-        self._group = 0
+        #: MPI has no group ids: 0 for the world, 1 for a subgroup (what ``_where`` and
+        #: ``_names`` tell apart in error messages; ``_ranks`` are its world ranks)
+        self._group = 0 if owns_world else 1
         self._closed = False
         self._owns_world = owns_world
         self.timeout = float(timeout)
@@ -291,7 +294,7 @@ class MpiCommunicator(Communicator):
         self._begin()
         try:
             with Failures(sig, self._rank, "MPI", self._mpi.Exception,
-                          functools.partial(self._fail, op)):
+                          functools.partial(self._fail, op), self._where, ticket):
                 rows = None
                 checking = check or self.check_signatures
                 if checking or meta:
@@ -340,7 +343,8 @@ class MpiCommunicator(Communicator):
         await op.wait(req)
         other = next(j for j in range(self.world_size) if rows[j, 0] != rows[r, 0])
         theirs = every[other].tobytes().rstrip(b"\0").decode(errors="replace")
-        err = signature_mismatch(r, describe_sig(op.sig), other, theirs)
+        err = signature_mismatch(r, describe_sig(op.sig), other, theirs,
+                                 self._where(op.ticket))
         self._world.abort(err, notify=True)
         raise err
 

@@ -360,7 +360,7 @@ class NcclCommunicator(DelegatingCommunicator):
         held: list[Any] = list(keep)
         try:
             with Failures(sig, self.rank, "NCCL", self._nccl.NcclError,
-                          functools.partial(self._fail, held)):
+                          functools.partial(self._fail, held), self._where, ticket):
                 metas = None
                 if self.check_signatures or need_meta:
                     mine = [digest(sig) if self.check_signatures else 0, describe_sig(sig),
@@ -369,13 +369,14 @@ class NcclCommunicator(DelegatingCommunicator):
                     if self.check_signatures:
                         other = next((j for j, m in enumerate(metas) if m[0] != mine[0]), None)
                         if other is not None:
-                            raise signature_mismatch(self.rank, mine[1], other, metas[other][1])
+                            raise signature_mismatch(self.rank, mine[1], other,
+                                                     metas[other][1], self._where(ticket))
                 if not self._turns.ready(ticket):
                     try:
                         async with asyncio.timeout_at(deadline):
                             await self._turns.wait(ticket)
                     except TimeoutError:
-                        raise self._timeout(sig) from None
+                        raise self._timeout(sig, ticket) from None
                 self._check()
                 with self._on_stream() as stream:
                     result = enqueue(metas)
@@ -385,7 +386,7 @@ class NcclCommunicator(DelegatingCommunicator):
                 held.append(result)
                 event = done_event
                 await poll(lambda: bool(event.done), deadline=deadline, check=self._check,
-                           on_timeout=lambda: self._timeout(sig),
+                           on_timeout=lambda: self._timeout(sig, ticket),
                            arm=lambda: self._signal_after(event, loop),
                            spin=WAIT_SPIN_SECONDS)
                 return result
@@ -407,8 +408,13 @@ class NcclCommunicator(DelegatingCommunicator):
             launch(fire, None)
         return signal
 
-    def _timeout(self, sig: tuple[Any, ...]) -> CollectiveTimeout:
-        return no_progress(sig, self.rank, self.timeout)
+    def _timeout(self, sig: tuple[Any, ...], ticket: int) -> CollectiveTimeout:
+        return no_progress(sig, self.rank, self.timeout, self._where(ticket))
+
+    def _where(self, seq: int) -> str:
+        """Which call of which group device collective ``seq`` is (calls on host arrays go to
+        the inner communicator, which numbers them itself)."""
+        return f"{self._inner._where(seq)}, counting calls on GPU arrays"
 
     def _fail(self, held: list[Any], err: CollectiveError) -> None:
         self._abandoned.append(held)  # GPU memory NCCL may still touch is never reused
