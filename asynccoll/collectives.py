@@ -44,7 +44,7 @@ from .algorithms import (
 )
 from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError, PeerLostError
 from .ops import ReduceOp, check_op, finish
-from .transport.base import Transport, describe_sig, payload_too_large
+from .transport.base import Transport, describe_sig, name_call, payload_too_large
 from .tuning import Tuning
 from .wire import FrameKind, array_view, dtype_code, encode_data_head
 
@@ -404,25 +404,15 @@ class Communicator:
         """``exc``, which ended collective ``seq`` here, as an error that names that call
         too (a lost peer, a failure relayed from another rank, a close say nothing of it);
         ``exc`` itself where its message names the call already (a mismatch, a timeout)."""
-        described = describe_sig(sig)
-        text = original = str(exc)
-        relayed = _RELAYED.match(text) if type(exc) is CollectiveError else None
+        extra = ""
+        relayed = _RELAYED.match(str(exc)) if type(exc) is CollectiveError else None
         waited = self._transport.mailbox.awaited(self._group, seq) if relayed else None
         if waited and relayed and waited != [int(relayed[1])]:  # (not only the one that said)
             # another rank gave up (its timer fired first, say): what this rank itself
             # waited for leads on towards a rank that never called
-            text += (f"; {self._names([self._transport.rank])} was waiting for "
+            extra = (f"; {self._names([self._transport.rank])} was waiting for "
                      f"{self._names(waited)}")
-        if described not in text:
-            text = f"{described} on group rank {self._rank} ({self._where(seq)}): {text}"
-        elif text == original:
-            return exc
-        if isinstance(exc, PeerLostError):
-            return PeerLostError(text, rank=exc.rank)
-        try:
-            return type(exc)(text)
-        except Exception:  # pragma: no cover - a subclass that takes more than a message
-            return exc
+        return name_call(exc, sig, self._rank, self._where(seq), extra)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -119,13 +119,22 @@ def test_wire_is_sans_io_and_imports_only_errors(module: str, allowed: tuple[str
     assert not io, f"{module} is sans-IO, but imports {sorted(io)}"
 
 
+def _fresh_interpreter(code: str, what: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a new Python process, with the checkout on its path (imports happen
+    in the order the code gives); it must succeed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, f"{what}: {proc.stderr}"
+    return proc
+
+
 def test_wire_stream_sits_above_wire():
     """``wire_stream`` imports ``wire``; ``wire`` reaches ``wire_stream`` only from its module
     ``__getattr__`` (the names that moved keep importing from ``wire``)."""
     assert not {n for n in top_level_imports(PACKAGE / "wire.py")
                 if within(n, "asynccoll.wire_stream")}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     for first in ("asynccoll.wire_stream", "asynccoll.wire"):
         code = (f"import {first}\n"
                 "from asynccoll import wire, wire_stream\n"
@@ -135,9 +144,7 @@ def test_wire_stream_sits_above_wire():
                 "assert wire.PayloadSink is wire_stream.PayloadSink\n"
                 "assert {'BufferedFrameReader', 'HeadCache', 'HeaderMemo', 'ReduceOnRead'} "
                 "<= set(wire.__all__)\n")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=60, check=False)
-        assert proc.returncode == 0, f"importing {first} first: {proc.stderr}"
+        _fresh_interpreter(code, f"importing {first} first")
 
 
 @pytest.mark.parametrize("module", ["collectives.py", "algorithms.py", "call.py"])
@@ -153,8 +160,6 @@ def test_tcp_world_sits_above_the_tcp_data_path():
     assert not {n for n in top_level_imports(PACKAGE / "transport" / "tcp.py")
                 if within(n, "asynccoll.transport.tcp_world")}
     assert "asynccoll.transport.tcp.TcpTransport" in imports(PACKAGE / "transport" / "tcp_world.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     for first in ("asynccoll.transport.tcp_world", "asynccoll.transport.tcp"):
         code = (f"import {first}\n"
                 "from asynccoll.transport import tcp, tcp_world\n"
@@ -163,9 +168,7 @@ def test_tcp_world_sits_above_the_tcp_data_path():
                 "assert tcp_init is tcp_world.tcp_init\n"
                 "assert startup_peers is tcp_world.startup_peers\n"
                 "assert {'tcp_init', 'tcp_local_world', 'tcp_store_world'} <= set(tcp.__all__)\n")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=60, check=False)
-        assert proc.returncode == 0, f"importing {first} first: {proc.stderr}"
+        _fresh_interpreter(code, f"importing {first} first")
 
 
 def test_parallel_uses_the_communicator_only():
@@ -183,11 +186,7 @@ def test_parallel_uses_the_communicator_only():
 def test_import_asynccoll_pulls_in_no_optional_dependency():
     code = ("import sys, asynccoll\n"
             f"print(sorted(m for m in {OPTIONAL_DEPENDENCIES!r} if m in sys.modules))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
+    proc = _fresh_interpreter(code, "import asynccoll")
     assert proc.stdout.strip() == "[]", f"import asynccoll imported {proc.stdout.strip()}"
 
 

@@ -18,7 +18,7 @@ import msgpack
 
 from ..errors import CollectiveError, CollectiveTimeout
 from ..wire import MAX_NDIM
-from .base import describe_sig
+from .base import describe_sig, name_call
 
 # ------------------------------------------------------------------------------ signatures
 
@@ -49,22 +49,6 @@ def no_progress(sig: tuple[Any, ...], rank: int, timeout: float, where: str
                              f"within {timeout:g} s ({where})")
 
 
-def in_call(exc: CollectiveError, sig: tuple[Any, ...], rank: int, where: str
-            ) -> CollectiveError:
-    """``exc``, which ended a collective here, as an error that names that call too (a
-    failure relayed from another rank, a close say nothing of it), as
-    ``Communicator._in_call`` does; ``exc`` itself where it names the call already."""
-    described = describe_sig(sig)
-    text = str(exc)
-    if described in text:
-        return exc
-    text = f"{described} on group rank {rank} ({where}): {text}"
-    try:
-        return type(exc)(text)
-    except Exception:  # pragma: no cover - a subclass that takes more than a message
-        return exc
-
-
 def failed_in(library: str, sig: tuple[Any, ...], rank: int, exc: BaseException
               ) -> CollectiveError:
     """The error of a collective whose native ``library`` call raised ``exc``."""
@@ -77,7 +61,7 @@ class Failures:
 
     On the way out, ``fail(err)`` is called with a ``CollectiveError``
     describing what happened, and the exception goes on: a cancellation unchanged, a
-    ``CollectiveError`` as ``in_call`` names it (``where(seq)``: ``Communicator._where``),
+    ``CollectiveError`` as ``base.name_call`` names it (``where(seq)``: ``Communicator._where``),
     an exception of the native library (``library_error``) replaced by ``err`` (chained),
     any other exception unchanged.
     """
@@ -103,7 +87,7 @@ class Failures:
                                       f"{self.rank}"))
         elif isinstance(exc, CollectiveError):
             self.fail(exc)
-            named = in_call(exc, self.sig, self.rank, self.where(self.seq))
+            named = name_call(exc, self.sig, self.rank, self.where(self.seq))
             if named is not exc:
                 raise named from None
         elif isinstance(exc, self.library_error):
@@ -188,4 +172,4 @@ def scatter_blocks(a: Any, w: int) -> tuple[list[int], list[int]]:
 
 __all__ = ["Failures", "block_sizes", "check_arrays", "check_axis", "check_gather_out",
            "check_ndim", "digest", "failed_in", "gather_alone", "gather_mismatch",
-           "in_call", "no_progress", "offsets", "scatter_blocks", "signature_mismatch"]
+           "no_progress", "offsets", "scatter_blocks", "signature_mismatch"]

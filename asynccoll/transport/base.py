@@ -103,6 +103,27 @@ def describe_sig(sig: tuple[Any, ...] | None) -> str:
     return f"{name}({', '.join(str(x) for x in rest)})"
 
 
+def name_call(exc: CollectiveError, sig: tuple[Any, ...], rank: int, where: str,
+              extra: str = "") -> CollectiveError:
+    """``exc``, which ended the collective ``sig`` on group rank ``rank`` (``where``: which
+    call of which group, ``Communicator._where``), as an error of its class that names that
+    call too (a lost peer, a failure relayed from another rank, a close say nothing of it),
+    with ``extra`` added to its message; ``exc`` itself where its message names the call
+    already and there is nothing to add. A ``PeerLostError`` keeps its ``rank``."""
+    described = describe_sig(sig)
+    text = str(exc) + extra
+    if described not in text:
+        text = f"{described} on group rank {rank} ({where}): {text}"
+    elif not extra:
+        return exc
+    if isinstance(exc, PeerLostError):
+        return PeerLostError(text, rank=exc.rank)
+    try:
+        return type(exc)(text)
+    except Exception:  # pragma: no cover - a subclass that takes more than a message
+        return exc
+
+
 class Mailbox:
     """Posted receives and early frames of one rank, matched by key. Not thread-safe.
 
