@@ -96,12 +96,64 @@ def _from_header(head: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
 #: the interpreter shuts down. mpi4py calls MPI_Finalize after Python has torn down its
 #: objects, and MPI_Finalize still progresses pending requests: a buffer freed by then was
 #: written into (a segfault at exit, or peers hanging in theirs on the data it garbled)
-_ABANDONED: list[tuple[list[Any], tuple[Any, ...]]] = []
+class _Kept(list[tuple[list[Any], tuple[Any, ...]]]):
+    """A list (a subclass, so a weakref finalizer can be attached: see ``_settle_at_exit``)."""
+
+
+_ABANDONED = _Kept()
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))
 
 
 #: seconds ``keep_pending`` lets receives already under way finish (see there)
 SETTLE_RECEIVES = 5.0
+#: at exit, the abandoned requests get this long without any of them completing to finish
+#: (and at most ``EXIT_SETTLE_LIMIT`` in all): see ``_settle_at_exit``
+EXIT_SETTLE_STALL = 0.5
+EXIT_SETTLE_LIMIT = 10.0
+
+
+def _settle_at_exit() -> None:
+    """Let the abandoned requests that can still complete do so before ``MPI_Finalize``.
+
+    A failed collective's data may still be moving when the processes end (the other ranks
+    posted it too). Open MPI 4.1 progresses it inside ``MPI_Finalize``, after its exit
+    fence: a peer that already passed the fence closes its connections, the writev fails
+    ("Broken pipe") and the tcp BTL deadlocks on its own endpoint lock (the job hung at exit
+    in about one run in fifty of ``tests/helpers/mpi_exit_after_failure.py``). Progressing
+    them here, while every rank still does, ends that traffic first. Requests that cannot
+    complete (a collective another rank never entered, a send nobody receives) are given up
+    once none completed for ``EXIT_SETTLE_STALL`` seconds: they move no bulk data."""
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not _ABANDONED:
+        return
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized():
+            return
+        test = mpi.Request.Testall
+        pending = [reqs for reqs, _ in _ABANDONED if reqs]
+        start = last = time.monotonic()
+        while pending:
+            left = [reqs for reqs in pending if not test(reqs)]
+            now = time.monotonic()
+            if len(left) < len(pending):
+                last = now
+            pending = left
+            if not pending or now - last >= EXIT_SETTLE_STALL or now - start >= EXIT_SETTLE_LIMIT:
+                break
+            time.sleep(0.0005)
+    except Exception as exc:  # MPI failed: MPI_Finalize does what it can
+        log.debug("settling abandoned requests at exit failed: %s", exc)
+        return
+    if pending:
+        log.debug("%d abandoned request group(s) still pending at exit", len(pending))
+
+
+# the list is never freed, so this runs only as the interpreter ends: as a weakref finalizer
+# created at import it runs after the finalizers of every world (created later), which move
+# what they leave behind into the list
+weakref.finalize(_ABANDONED, _settle_at_exit)
 
 
 def keep_pending(mpi: Any, items: list[tuple[list[Any], tuple[Any, ...]]], *,
