@@ -29,7 +29,9 @@ Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezv
 
 A process that finds generation G already closed without it asks for G+1 (unless G is full,
 then it waits as a spare for the next generation); the running members see the newer round at
-their next step boundary (``ElasticGroup.should_reform``) and move over together. A member
+their next step boundary (``ElasticGroup.check``) and move over together. A member that
+leaves says so in that check; the others expect one member fewer of G in G+1, and the
+leaver closes its world (``ElasticGroup.leave``) instead of joining. A member
 whose collective fails (a peer died: ``PeerLostError``) opens the next
 generation itself. A member that dies after it joined a generation and before that
 generation's world formed is noticed when the others' wait for its address times out; they
@@ -51,7 +53,6 @@ import numpy as np
 
 from .collectives import Communicator
 from .errors import RendezvousError
-from .ops import ReduceOp
 from .tuning import Tuning
 
 log = logging.getLogger("asynccoll.elastic")
@@ -110,6 +111,10 @@ class ElasticGroup:
         #: the generation this process last added itself to (a retry of ``form`` after a
         #: timeout waits in it again instead of counting itself twice)
         self._joined = -1
+        #: members of the current generation that announced they leave (``check``)
+        self._leavers = 0
+        #: this process left the job (``leave``): it forms no more worlds
+        self.left = False
 
     @classmethod
     async def connect(cls, *, min_nodes: int | None = None, max_nodes: int | None = None,
@@ -179,9 +184,10 @@ class ElasticGroup:
         prev = self.generation
         if self._joined != g:
             index = await c.add(f"{base}/joined", 1) - 1
+            # size: the members of prev expected back (those that left will not come)
             record = {"id": self.id, "gen": prev.number if prev else -1,
                       "rank": prev.rank if prev else -1,
-                      "size": prev.world_size if prev else 0}
+                      "size": prev.world_size - self._leavers if prev else 0}
             await c.set(f"{base}/m/{index}", json.dumps(record))
             self._joined = g
         last_n, last_change = -1, time.monotonic()
@@ -270,6 +276,8 @@ class ElasticGroup:
         """
         from .transport.tcp_world import tcp_store_world
 
+        if self.left:
+            raise RuntimeError("this process left the elastic job: it forms no more worlds")
         if self.comm is not None:
             old, self.comm = self.comm, None
             await old.close()
@@ -310,6 +318,7 @@ class ElasticGroup:
                 await self._open(g + 1)
                 continue
             self.generation, self.comm = gen, comm
+            self._leavers = 0
             log.info("elastic: %s is rank %d of %d in generation %d", self.id, gen.rank,
                      gen.world_size, g)
             if gen.rank == 0:
@@ -354,14 +363,33 @@ class ElasticGroup:
         """Whether a newer generation is open (a member asked to join, or one failed)."""
         return self.generation is None or await self.current_round() > self.generation.number
 
-    async def should_reform(self) -> bool:
-        """Collective over the current world: True on every rank if any rank saw a newer
-        generation. Call at step boundaries, so that every rank moves at the same step."""
+    async def check(self, *, leaving: bool = False) -> tuple[bool, int]:
+        """Collective over the current world, at a step boundary: ``(reform, leavers)``, the
+        same on every rank. ``leavers``: how many members pass ``leaving=True`` (they then
+        ``leave``); ``reform``: some rank saw a newer generation open (a process asked to
+        join, or a member failed) or a member leaves, so the others form the next one.
+        Calling it at step boundaries makes every rank move at the same step."""
         if self.comm is None:
-            return True
-        flag = np.array([await self.world_changed()])
-        await self.comm.all_reduce(flag, op=ReduceOp.BOR)
-        return bool(flag[0])
+            return True, 0
+        flags = np.array([await self.world_changed(), leaving], np.int64)
+        await self.comm.all_reduce(flags)
+        self._leavers = int(flags[1])
+        return bool(flags[0]) or self._leavers > 0, self._leavers
+
+    async def should_reform(self) -> bool:
+        """``check()``'s ``reform``, for a rank that does not leave."""
+        reform, _ = await self.check()
+        return reform
+
+    async def leave(self) -> None:
+        """Leave the job for good: close this process's world (the others, told by
+        ``check(leaving=True)``, form the next generation without it and do not wait for it);
+        ``form`` raises from now on. The rendezvous connection stays open until ``close``."""
+        self.left = True
+        if self.comm is not None:
+            old, self.comm = self.comm, None
+            await old.close()
+        log.info("elastic: %s left the job", self.id)
 
     async def close(self) -> None:
         """Leave: close the current world and the rendezvous connection."""

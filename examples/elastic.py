@@ -4,7 +4,9 @@
     asynccoll run -n 3 --min-nodes 2 --max-nodes 4 --max-restarts 1 examples/elastic.py
 
 While it runs, `kill -9` one of the workers (each prints its PID): the others fall back to their
-last commit (at most --commit-every steps ago), re-form at world size 2 and go on; with
+last commit (at most --commit-every steps ago), re-form at world size 2 and go on. `kill` it
+instead (SIGTERM, as a scheduler does before it preempts a machine) and it leaves gracefully:
+the job commits the step it finished, the others go on from there without redoing any. With
 --max-restarts the launcher starts a replacement, which joins, receives the state, and the
 world grows back. A process started by hand with the launcher's rendezvous address and token
 (ASYNCCOLL_RENDEZVOUS, ASYNCCOLL_TOKEN, ASYNCCOLL_MIN_NODES/MAX_NODES) joins the same way.
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import hashlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -67,10 +70,15 @@ async def train(args: argparse.Namespace) -> None:
     print(f"PID {os.getpid()}", flush=True)
     async with await ElasticGroup.connect(settle=args.settle, timeout=args.timeout) as group:
         trainer = ElasticTrainer(group, build, commit_every=args.commit_every)
+        # SIGTERM: leave after the step in progress, without costing the others any step
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, trainer.request_leave)
         await trainer.start()
         seen = 0
         while trainer.step < args.steps:
             loss = await trainer.run_step(step)
+            if trainer.left:
+                print(f"LEFT at step {trainer.step}", flush=True)
+                return
             for gen, size, resumed in trainer.history[seen:]:
                 print(f"WORLD gen={gen} size={size} rank={trainer.comm.rank} "
                       f"resumed_at={resumed}", flush=True)

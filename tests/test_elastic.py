@@ -338,3 +338,59 @@ async def test_member_dying_while_the_next_world_forms_costs_one_timeout_not_the
             await asyncio.gather(a.close(), b.close(), c.close())
     finally:
         await server.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+async def test_a_member_that_leaves_loses_no_steps(strategy: str) -> None:
+    """A member asked to leave (say on SIGTERM, from a signal handler) finishes its step; the
+    job commits that step and the others go on from it without the leaver: nothing redone, no
+    timeout waited, and the result is still the replay's."""
+    total, leave_at = 45, 23
+    server = RendezvousServer("127.0.0.1", 0, token="t")
+    await server.start()
+    rdv = f"127.0.0.1:{server.port}"
+    make_opt = lambda: Adam(lr=0.01)  # noqa: E731
+
+    def build(comm: Communicator) -> DistributedModel:
+        return as_distributed(MLP(SIZES, seed=0), comm, make_opt(), strategy=strategy)
+
+    async def step_fn(dist: DistributedModel, step: int) -> float:
+        return await dist.step(my_share(step, dist.comm))
+
+    async def member(name: str, leave_at: int | None = None) -> dict[str, Any]:
+        group = await ElasticGroup.connect(min_nodes=2, max_nodes=4, rendezvous=rdv, token="t",
+                                           settle=0.2, timeout=20)
+        try:
+            trainer = ElasticTrainer(group, build, commit_every=10)
+            await trainer.start()
+            while trainer.step < total and not trainer.left:
+                if trainer.step == leave_at:
+                    trainer.request_leave()
+                await trainer.run_step(step_fn)
+            if trainer.left:
+                assert group.comm is None and trainer.dist is None
+                with pytest.raises(RuntimeError, match="left the elastic job at step 24"):
+                    await trainer.run_step(step_fn)
+                return {"name": name, "left_at": trainer.step, "history": trainer.history}
+            assert trainer.dist is not None
+            params, _, _ = await trainer.dist.full_state()
+            return {"name": name, "params": params, "history": trainer.history}
+        finally:
+            await group.close()
+
+    began = time.monotonic()
+    try:
+        results = await asyncio.gather(member("a"), member("b"), member("c", leave_at))
+    finally:
+        await server.close()
+    took = time.monotonic() - began
+    want = await replay(total, make_opt)
+    a, b, c = results
+    assert c == {"name": "c", "left_at": leave_at + 1, "history": [(0, 3, 0)]}
+    for r in (a, b):
+        np.testing.assert_allclose(r["params"], want, rtol=1e-9, atol=1e-12)
+        # the step the leaver finished was committed: the two went on from it, not from 20
+        assert r["history"] == [(0, 3, 0), (1, 2, leave_at + 1)], r["history"]
+    np.testing.assert_array_equal(a["params"], b["params"])
+    assert took < 15, f"took {took:.1f} s: the survivors waited for the leaver"

@@ -70,6 +70,38 @@ def test_kill_one_then_a_new_process_joins(reaper: Callable[..., Proc], tmp_path
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_sent_sigterm_leaves_without_costing_a_step(reaper: Callable[..., Proc],
+                                                             tmp_path: Path) -> None:
+    port, token, steps = free_fixed_port(), "elastic-test", 300
+    job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "3", "--port",
+                          str(port), "--token", token, EXAMPLE, "--steps", str(steps),
+                          "--step-delay", "0.01", "--settle", "0.3", "--commit-every", "10",
+                          "--out", str(tmp_path)))
+    assert job.wait_for(has(r"STEP 50 "), 60), job.output
+    leaver = next(int(m.group(2)) for line in job.lines if (m := PID.match(line))
+                  and m.group(1) == "1")
+    os.kill(leaver, signal.SIGTERM)
+    assert job.finish(90) == 0, job.output
+    out = job.output
+    left = re.search(r"^\[1\] LEFT at step (\d+)$", out, re.M)
+    assert left, out
+    # the survivors went on from the very step it left at, not from an earlier commit
+    resumed = re.findall(r"WORLD gen=1 size=2 rank=\d resumed_at=(\d+)", out)
+    assert resumed == [left.group(1)] * 2, out
+    got = finals(out)
+    assert len(got) == 2 and {(s, n) for s, n, _ in got} == {(steps, 2)}, out
+    assert len({d for _, _, d in got}) == 1, got
+    assert "exited with code" not in out and "replacement" not in out, out
+
+    replay = Proc([sys.executable, EXAMPLE, "--replay", "--steps", str(steps), "--out",
+                   str(tmp_path)], clean_env())
+    assert replay.finish(60) == 0, replay.output
+    want = np.load(tmp_path / "replay.npy")
+    for f in sorted(tmp_path.glob("final-*.npy")):
+        np.testing.assert_allclose(np.load(f), want, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.timeout(120)
 def test_launcher_restarts_a_failed_worker(reaper: Callable[..., Proc]) -> None:
     job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "3", "--max-restarts",
                           "1", EXAMPLE, "--steps", "300", "--step-delay", "0.01",

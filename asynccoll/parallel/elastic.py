@@ -1,4 +1,4 @@
-"""Elastic data-parallel training: go on when workers die or join, from the last commit.
+"""Elastic data-parallel training: go on when workers die, join or leave.
 
 ``ElasticTrainer`` drives a ``DistributedModel`` (any strategy)
 through the generations of an ``ElasticGroup``:
@@ -10,8 +10,10 @@ through the generations of an ``ElasticGroup``:
 - When a collective fails (a member died: ``PeerLostError``, or timed out),
   every survivor falls back to its last commit, joins the next generation and the world
   re-forms without the dead member.
-- At every ``check_every``-th step boundary the ranks agree (one small all_reduce) on whether
-  a newer generation is open, i.e. a process asked to join; if so they move together.
+- After every ``check_every``-th step the ranks agree (one small all_reduce) on whether a
+  newer generation is open (a process asked to join) or a member leaves
+  (``request_leave``, e.g. on SIGTERM); if so they commit that step and move together, and
+  the leavers close their world: leaving costs the others no step.
 - In a new world, the member with the newest commit (ties: the lowest rank) broadcasts it, the
   model is rebuilt for the new world size by ``build(comm)`` and loads the state: shards are
   re-cut for the new number of ranks (ZeRO too), newcomers get everything.
@@ -80,6 +82,8 @@ class ElasticTrainer:
         self._commit: State | None = None
         self._since_check = 0
         self._failed_in_a_row = 0
+        self._leave = False
+        self._left_at: int | None = None
         #: (generation, world size, step resumed from) for every world this process was in
         self.history: list[tuple[int, int, int]] = []
 
@@ -106,38 +110,48 @@ class ElasticTrainer:
                     raise
                 log.warning("elastic: joining failed (%s); trying the next generation", exc)
 
+    def request_leave(self) -> None:
+        """Ask this process to leave the job at the next membership check (every
+        ``check_every`` steps, after the step in progress). The job commits the state after
+        that step, so the others lose nothing; they form the next generation without this
+        process, which closes its world and ends with ``left`` true (``run_step`` then
+        raises). Only sets a flag: safe from a signal handler, e.g.
+        ``loop.add_signal_handler(signal.SIGTERM, trainer.request_leave)``."""
+        self._leave = True
+
+    @property
+    def left(self) -> bool:
+        """This process left the job (``request_leave``); ``step`` is where it left."""
+        return self._left_at is not None
+
     async def run_step(self, fn: Callable[[DistributedModel, int], Awaitable[T]]) -> T:
-        """Run ``await fn(dist, step)`` (one training step), re-forming the world first if a
-        process is waiting to join, and retrying from the last commit in a new world if a
-        member fails. Returns what ``fn`` returned.
+        """Run ``await fn(dist, step)`` (one training step); returns what ``fn`` returned.
+
+        Every ``check_every`` steps, after the step, the ranks check membership together: if
+        a process asked to join or a member leaves (``request_leave``), they commit and form
+        the next generation (the leavers close their world instead). A member that fails
+        makes the others retry from the last commit in a new world.
 
         Raises:
             RendezvousError: no new world formed within the group's ``timeout`` (fewer than
                 ``min_nodes`` processes left); not retried.
             CollectiveError: more than ``max_reforms`` failures in a row.
+            RuntimeError: this process left the job.
         """
         while True:
+            if self._left_at is not None:
+                raise RuntimeError(f"this process left the elastic job at step "
+                                   f"{self._left_at}")
             try:
                 if self.dist is None:
                     await self._reform()
                     continue
-                if self._since_check == 0:
-                    # every rank of a world comes here at the same step (the counter restarts
-                    # with each world), so they all take part in the check
-                    if await self.group.should_reform():
-                        log.info("elastic: a process is waiting to join; re-forming at step %d",
-                                 self.step)
-                        await self.commit()
-                        await self._reform()
-                        continue
-                assert self.dist is not None
                 out = await fn(self.dist, self.step)
                 self.step += 1
                 self._since_check = (self._since_check + 1) % self.check_every
                 if self.step % self.commit_every == 0:
                     await self.commit()
                 self._failed_in_a_row = 0
-                return out
             except RendezvousError:
                 raise                       # no generation formed within the timeout
             except CollectiveError as exc:
@@ -147,6 +161,42 @@ class ElasticTrainer:
                 log.warning("elastic: step %d failed (%s); re-forming from the commit of "
                             "step %s", self.step, exc, self._commit[0] if self._commit else "-")
                 self.dist = None
+                continue
+            if self._since_check == 0:
+                # every rank of a world comes here after the same step (the counter restarts
+                # with each world), so they all take part in the check
+                await self._membership()
+            return out
+
+    async def _membership(self) -> None:
+        """The check after a step: commit and move on if a process joins or a member leaves.
+        A failure here costs no step: the step is done, the next ``run_step`` re-forms."""
+        try:
+            reform, leavers = await self.group.check(leaving=self._leave)
+            if not reform:
+                return
+            log.info("elastic: %s at step %d; committing it",
+                     f"{leavers} member(s) leave" if leavers else "a process waits to join",
+                     self.step)
+            if self._commit is None or self._commit[0] != self.step:
+                await self.commit()
+            if self._leave:
+                await self.group.leave()
+                self.dist, self._left_at = None, self.step
+                log.info("elastic: left the job at step %d", self.step)
+                return
+            await self._reform()
+        except RendezvousError:
+            raise
+        except CollectiveError as exc:
+            if self._leave:  # the others have a commit each: go anyway
+                await self.group.leave()
+                self.dist, self._left_at = None, self.step
+                log.warning("elastic: left the job at step %d after %s", self.step, exc)
+                return
+            log.warning("elastic: re-forming after step %d failed (%s); from the commit of "
+                        "step %s", self.step, exc, self._commit[0] if self._commit else "-")
+            self.dist = None
 
     async def commit(self) -> None:
         """Keep a copy of the whole training state on every rank (a collective).
@@ -221,7 +271,7 @@ async def run_elastic(group: ElasticGroup, build: Callable[[Communicator], Distr
     holds the final model)."""
     trainer = ElasticTrainer(group, build, commit_every=commit_every, check_every=check_every)
     await trainer.start()
-    while trainer.step < steps:
+    while trainer.step < steps and not trainer.left:
         await trainer.run_step(step_fn)
     return trainer
 
