@@ -97,27 +97,40 @@ def _into(out: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _pack_object(obj: Any) -> np.ndarray:
+#: first byte of what a rank sends in an object collective for an object that does not pack
+#: (no msgpack message starts with it: 0xc1 is "never used"); its error message follows
+_UNPACKABLE = 0xC1
+
+
+def _pack_object(obj: Any, rank: int) -> np.ndarray:
+    """``obj`` packed by group rank ``rank``. An object that does not pack becomes a marker
+    carrying the error, which the call moves like any object, so that every rank raises it
+    (``_unpack_object``); raising here, before the call, left the other ranks waiting for
+    this one until their timeout broke the world."""
     try:
         data = msgpack.packb(obj, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"object is not msgpack-serialisable: {exc}") from exc
+        data = bytes([_UNPACKABLE]) + (f"the object of group rank {rank} is not "
+                                       f"msgpack-serialisable: {exc}").encode()
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def _unpack_object(a: np.ndarray) -> Any:
-    """The object packed in ``a``. Called after the collective that moved it, so that an
-    object that packs but does not unpack (a dict with tuple keys: a list is no key) raises
-    on every rank and leaves the communicator usable.
+def _unpack_object(a: np.ndarray, rank: int) -> Any:
+    """The object group rank ``rank`` packed in ``a``. Called after the collective that moved
+    it, so that an object that does not pack, or packs but does not unpack (a dict with tuple
+    keys: a list is no key), raises on every rank and leaves the communicator usable.
 
     Raises:
-        TypeError: the bytes do not unpack.
+        TypeError: ``a`` is the marker of an object that did not pack, or does not unpack.
     """
+    data = a.tobytes()
+    if data[:1] == bytes([_UNPACKABLE]):
+        raise TypeError(data[1:].decode(errors="replace"))
     try:
-        return msgpack.unpackb(a.tobytes(), raw=False, strict_map_key=False)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"object does not round-trip through msgpack: {exc}") from exc
-
+        raise TypeError(f"the object of group rank {rank} does not round-trip through "
+                        f"msgpack: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- communicator
@@ -874,29 +887,38 @@ class Communicator:
         """Root's ``obj`` on every rank (msgpack-serialisable; tuples come back as lists).
 
         Raises:
-            TypeError: ``obj`` does not pack (on root), or packs but does not unpack (a dict
-                with tuple keys: on every rank, and the communicator stays usable).
+            TypeError: root's ``obj`` does not pack (a set, a NumPy array or integer), or packs
+                but does not unpack (a dict with tuple keys): on every rank, once the call
+                has moved it, and the communicator stays usable.
         """
         root = self._check_rank(root, "root")
-        data = _pack_object(obj) if self._rank == root else None
+        data = _pack_object(obj, root) if self._rank == root else None
 
         async def body(call: Call) -> np.ndarray:
             if call.size == 1:
                 return data  # type: ignore[return-value]
             return await binomial_broadcast(call, root, data)
 
-        return _unpack_object(await self._run(("broadcast_object", root), body, agree=True))
+        return _unpack_object(await self._run(("broadcast_object", root), body, agree=True),
+                              root)
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` in rank order (msgpack-serialisable)."""
-        data = _pack_object(obj)
+        """Every rank's ``obj`` in rank order (msgpack-serialisable).
+
+        Raises:
+            TypeError: a rank's ``obj`` does not pack or does not unpack: as in
+                ``broadcast_object``, on every rank (naming the first such rank), and the
+                communicator stays usable.
+        """
+        data = _pack_object(obj, self._rank)
         algo = self._tuning.all_gather(self.world_size)
 
         async def body(call: Call) -> list[np.ndarray]:
             got = await self._gather_blocks(call, data, algo)
             return list(got.reshape(call.size, -1)) if isinstance(got, np.ndarray) else got
 
-        return [_unpack_object(b) for b in await self._run(("all_gather_object", algo), body)]
+        got = await self._run(("all_gather_object", algo), body)
+        return [_unpack_object(b, j) for j, b in enumerate(got)]
 
     # -- groups and lifetime --------------------------------------------------------------
 

@@ -1228,6 +1228,31 @@ async def test_object_that_packs_but_does_not_unpack(run, backend, world_size):
     await run(fn, world_size, backend)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+async def test_object_that_does_not_pack_raises_on_every_rank(run, backend, world_size):
+    """An object that does not pack (a set, a NumPy integer or array: a rank's metrics, say)
+    on one rank: a ``TypeError`` naming that rank and the type on every rank, at once, and
+    the communicator goes on. The other ranks waited for that rank until their timeout broke
+    the world (the failing rank raised before it sent anything)."""
+    last = world_size - 1
+
+    async def fn(comm: Communicator) -> None:
+        t0 = time.monotonic()
+        bad = "group rank {} is not msgpack-serialisable: can not serialize '{}'"
+        with pytest.raises(TypeError, match=bad.format(last, "set")):
+            await comm.broadcast_object({1, 2} if comm.rank == last else None, root=last)
+        with pytest.raises(TypeError, match=bad.format(last, r"numpy\.int64")):
+            await comm.all_gather_object({"loss": np.int64(3)} if comm.rank == last else 1.0)
+        with pytest.raises(TypeError, match=bad.format(0, r"numpy\.ndarray")):
+            await comm.all_gather_object([np.zeros(2)])  # every rank: the first one named
+        assert time.monotonic() - t0 < 2.0
+        assert await comm.broadcast_object({"ok": 1}, root=last) == {"ok": 1}
+        assert await comm.all_gather_object(comm.rank) == list(range(world_size))
+        assert_array_equal(await comm.all_reduce(np.ones(2)), np.full(2, float(world_size)))
+
+    await run(fn, world_size, backend, timeout=5)
+
+
 # ---------------------------------------------------------------------------------- groups
 
 def some_members(world_size: int) -> list[int]:

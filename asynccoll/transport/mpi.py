@@ -768,14 +768,15 @@ class MpiCommunicator(Communicator):
         """Root's ``obj`` on every rank (msgpack-serialisable; tuples come back as lists).
 
         Raises:
-            TypeError: ``obj`` does not pack (on root), or packs but does not unpack (a dict
-                with tuple keys: on every rank, and the communicator stays usable).
+            TypeError: root's ``obj`` does not pack (a set, a NumPy array or integer), or packs
+                but does not unpack (a dict with tuple keys): on every rank, once the call
+                has moved it, and the communicator stays usable.
         """
         root = self._check_rank(root, "root")
-        data = _pack_object(obj) if self._rank == root else None
+        data = _pack_object(obj, root) if self._rank == root else None
         if self.world_size == 1:
             self._check_open()
-            return _unpack_object(data)  # type: ignore[arg-type]
+            return _unpack_object(data, root)  # type: ignore[arg-type]
         mpi = self._mpi
 
         async def body(op: _Op, meta: np.ndarray | None) -> np.ndarray:
@@ -787,11 +788,11 @@ class MpiCommunicator(Communicator):
             await op.wait(req)
             return buf
 
-        # unpacked after the collective: an object that packs but does not unpack raises
-        # TypeError on every rank and leaves the communicator usable
+        # unpacked after the collective: an object that does not pack, or packs but does not
+        # unpack, raises TypeError on every rank and leaves the communicator usable
         return _unpack_object(await self._collective(
             ("broadcast_object", root), body, meta=True, extra=0 if data is None else data.size,
-            payload=0 if data is None else data.size))
+            payload=0 if data is None else data.size), root)
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (msgpack-serialisable).
@@ -799,10 +800,10 @@ class MpiCommunicator(Communicator):
         Raises:
             TypeError: as ``broadcast_object`` (the communicator stays usable).
         """
-        data = _pack_object(obj)
+        data = _pack_object(obj, self._rank)
         if self.world_size == 1:
             self._check_open()
-            return [_unpack_object(data)]
+            return [_unpack_object(data, 0)]
         mpi = self._mpi
 
         async def body(op: _Op, meta: np.ndarray | None) -> list[np.ndarray]:
@@ -818,8 +819,9 @@ class MpiCommunicator(Communicator):
             return [every[p:p + n] for p, n in zip(displs, sizes, strict=True)]
 
         # unpacked after the collective, as in broadcast_object
-        return [_unpack_object(b) for b in await self._collective(
-            ("all_gather_object",), body, meta=True, extra=data.size, payload=data.size)]
+        got = await self._collective(("all_gather_object",), body, meta=True, extra=data.size,
+                                     payload=data.size)
+        return [_unpack_object(b, j) for j, b in enumerate(got)]
 
     # -- groups and lifetime -------------------------------------------------------------
 
