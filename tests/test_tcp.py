@@ -674,6 +674,50 @@ async def test_hostile_connections_while_the_world_works(logs: LogWatch) -> None
         assert TOKEN not in "\n".join(logs.messages(logging.DEBUG))
 
 
+async def test_a_connection_that_gives_up_before_authenticating_is_logged(
+        logs: LogWatch) -> None:
+    """A rank logged nothing for a connection that its other end closed before the handshake
+    was over: a prober with the wrong token (it reads the CHALLENGE, finds the proof wrong
+    and leaves), a truncated HELLO, a port scan left no trace, where the rendezvous server
+    logs each (SPEC, Handshake, Failures). Each now makes one WARNING line saying what the
+    rank was waiting for, and a connection the rank dropped itself is still logged once."""
+    async with tcp_world(2) as (_, comms):
+        host, port = peer_address(comms[1])
+
+        async def open_() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_connection(host, port)
+
+        reader, writer = await open_()  # the wrong token: the client leaves after CHALLENGE
+        with pytest.raises(AuthenticationError):
+            await client_handshake(reader, writer, "wrong-token", role="peer", rank=0,
+                                   timeout=2)
+        await close_writer(writer)
+        await logs.wait_for(r"rank 1: dropped .*without a PROOF")
+        _, writer = await open_()  # a truncated HELLO, then EOF
+        writer.write(_hello_bytes()[:30])
+        await close_writer(writer)
+        await logs.wait_for(r"rank 1: dropped .*in the middle of a frame")
+        _, writer = await open_()  # a port scan: connect, close
+        await close_writer(writer)
+        await logs.wait_for(r"rank 1: dropped .*waiting for HELLO")
+        reader, writer = await open_()  # dropped by the rank: logged once, not again
+        writer.write(_with_prefix_field(_hello_bytes(), magic=b"XCOL"))
+        await read_until_closed(reader, 3.0)
+        await close_writer(writer)
+        await asyncio.sleep(0.2)
+        lines = [m for m in logs.messages() if m.startswith("rank 1: dropped")]
+        assert len(lines) == 4, lines
+        assert "client (role='peer', rank=0)" in lines[0], lines
+        assert "another token" in lines[0], lines
+        assert "bad magic" in lines[3], lines
+        assert not [m for m in logs.messages() if m.startswith("rank 0")], logs.messages()
+        assert TOKEN not in "\n".join(logs.messages(logging.DEBUG))
+        assert comms[1].transport.broken is None
+        results = await asyncio.gather(*(c.all_reduce(np.full(3, c.rank + 1)) for c in comms))
+        for a in results:
+            np.testing.assert_array_equal(a, np.full(3, 3))
+
+
 async def test_connections_that_have_not_authenticated_cost_little_memory() -> None:
     """Anyone who can reach a rank's port may open connections without the token; until they
     authenticate (or time out) each must cost the rank little memory, not a full staging
@@ -1484,6 +1528,37 @@ async def test_malformed_environment_names_the_variable(
         await asynccoll.init(backend="tcp", timeout=2.0)
     assert message in str(info.value)
     assert f"ASYNCCOLL_{message}" not in str(info.value) or message.startswith("ASYNCCOLL_")
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"rank": "0"}, "rank must be an int, got '0'"),
+    ({"rank": 0.0}, "rank must be an int, got 0.0"),
+    ({"rank": True}, "rank must be an int, got True"),
+    ({"world_size": 1.0}, "world_size must be an int, got 1.0"),
+    ({"port": "0"}, "port must be an int, got '0'"),
+])
+async def test_init_refuses_an_argument_that_is_no_int_by_name(
+        given: dict[str, object], message: str) -> None:
+    """``init(rank="0")`` (a value read from a config file, say) raised "'<=' not supported
+    between instances of 'int' and 'str'", ``world_size=1.0`` "can't multiply sequence by
+    non-int of type 'float'" once the rendezvous was up, ``port="0"`` "port 0 is out of
+    range (0-65535)": a ``TypeError`` naming the argument now, before anything is opened."""
+    kw: dict[str, object] = {"rank": 0, "world_size": 1, "port": 0, **given}
+    with pytest.raises(TypeError) as info:
+        await asynccoll.init(backend="tcp", timeout=2.0, **kw)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+async def test_init_takes_numpy_integers() -> None:
+    """A rank and world size computed with NumPy (``np.int64``) are ints as elsewhere in the
+    API (``root=np.int64(1)``); the rendezvous refused them ("rank must be an int, not
+    int64")."""
+    comm = await asynccoll.init(backend="tcp", rank=np.int64(0), world_size=np.int64(1),
+                                port=np.uint16(0), timeout=5.0)
+    async with comm:
+        assert (comm.rank, comm.world_size) == (0, 1)
+        assert type(comm.rank) is int
+        np.testing.assert_array_equal(await comm.all_reduce(np.ones(2)), np.ones(2))
 
 
 # ------------------------------------------------------------------------------ SPEC 8.2 (P2P)

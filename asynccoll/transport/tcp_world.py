@@ -14,6 +14,7 @@ import asyncio
 import errno
 import hashlib
 import ipaddress
+import operator
 import os
 import socket
 from typing import Any
@@ -60,10 +61,17 @@ PORTS = range(65536)
 
 def _env_int(value: int | None, *names: str, what: str, valid: range | None = None
              ) -> int | None:
-    """``value``, or else the integer in the first of the variables ``names`` that is set
-    (``None`` if none is). Raises ``ValueError`` naming the variable (or ``what``) when it
-    is not an integer, or not in ``valid``."""
+    """``value`` (as an ``int``), or else the integer in the first of the variables ``names``
+    that is set (``None`` if none is). Raises ``TypeError`` when ``value`` is not an integer
+    (a NumPy integer is one; a bool, a float or a string is not), ``ValueError`` naming the
+    variable (or ``what``) when it is not an integer, or not in ``valid``."""
     if value is not None:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{what.replace(' ', '_')} must be an int, got {value!r}") from None
         if valid is not None and value not in valid:
             raise ValueError(f"{what} {value} is out of range ({valid.start}-{valid.stop - 1})")
         return value
