@@ -363,6 +363,17 @@ class ServerHandshake:
         self.accepted = True
         return _frame(FrameKind.WELCOME, dict(self._welcome_meta))
 
+    def closed_early(self) -> str:
+        """Why the handshake failed when the client closed the connection before it was over
+        (for the server's log line; SPEC, Handshake, Failures): what the server waited for,
+        and after a CHALLENGE what the client claimed to be, since a client that finds the
+        server's proof wrong (another token) leaves right there without a word."""
+        if self._state is _State.WAIT_PROOF:
+            return (f"connection closed during the handshake (waiting for PROOF): client "
+                    f"(role={self.peer_role!r}, rank={self.peer_rank!r}) left after the "
+                    f"CHALLENGE without a PROOF, as a client with another token does")
+        return "connection closed during the handshake (waiting for HELLO)"
+
     def reject_frame(self, reason: str) -> Frame:
         """A REJECT frame with ``reason``; marks the handshake as refused."""
         self.accepted = False
@@ -468,7 +479,9 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
                 raise
             write_frame(writer, challenge)
             await writer.drain()
-            proof = await _read_handshake_frame(reader, "PROOF")
+            proof = await read_frame(reader, HANDSHAKE_MAX_PAYLOAD)
+            if proof is None:
+                raise ProtocolError(hs.closed_early())
             try:
                 result = hs.on_proof(proof)
             except ProtocolError:

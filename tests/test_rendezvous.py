@@ -395,6 +395,20 @@ async def test_wrong_token_cannot_connect(server: RendezvousServer, logs: LogWat
     assert wrong not in logs.text and TOKEN not in logs.text
 
 
+async def test_the_server_log_says_a_client_with_another_token_left(
+        server: RendezvousServer, logs: LogWatch) -> None:
+    """A rank given another token leaves after the CHALLENGE without a word (SPEC,
+    Handshake): the server's log read only 'connection closed during the handshake (waiting
+    for PROOF)', so whoever watched rank 0's rendezvous learnt neither which rank failed nor
+    that its token was the likely cause. The line names the client's claim and says so."""
+    with pytest.raises(AuthenticationError):
+        await connect(server, token="another-token", rank=3)
+    match = await logs.wait_for(r"dropped connection from 127\.0\.0\.1:\d+: (.*)")
+    assert "client (role='client', rank=3)" in match.group(1), match.group(1)
+    assert "without a PROOF, as a client with another token does" in match.group(1)
+    assert "another-token" not in logs.text and TOKEN not in logs.text
+
+
 async def test_job_mismatch_cannot_connect() -> None:
     async with RendezvousServer(token=TOKEN, job="job-1") as srv:
         with pytest.raises(AuthenticationError, match="job mismatch"):

@@ -663,15 +663,60 @@ async def test_hostile_connections_while_the_world_works(logs: LogWatch) -> None
         final = await asyncio.gather(*(c.all_reduce(np.full(3, c.rank + 1)) for c in comms))
         for a in final:
             np.testing.assert_array_equal(a, np.full(3, 6))
-        # dropped and logged (a truncated HELLO followed by EOF is just a closed connection)
+        # dropped and logged (a truncated HELLO followed by EOF too)
         warnings = logs.messages()
         for prefix in ("rank 1: dropped", "rendezvous: dropped"):
             mine = "\n".join(m for m in warnings if m.startswith(prefix))
+            assert mine.count("in the middle of a") == 1, warnings
             assert mine.count("bad magic") == 2, warnings
             assert mine.count("exceeds the limit") == 2, warnings
             assert mine.count("unsupported protocol version") == 1, warnings
             assert mine.count("handshake") == 1, warnings
         assert TOKEN not in "\n".join(logs.messages(logging.DEBUG))
+
+
+async def test_a_connection_that_gives_up_before_authenticating_is_logged(
+        logs: LogWatch) -> None:
+    """A rank logged nothing for a connection that its other end closed before the handshake
+    was over: a prober with the wrong token (it reads the CHALLENGE, finds the proof wrong
+    and leaves), a truncated HELLO, a port scan left no trace, where the rendezvous server
+    logs each (SPEC, Handshake, Failures). Each now makes one WARNING line saying what the
+    rank was waiting for, and a connection the rank dropped itself is still logged once."""
+    async with tcp_world(2) as (_, comms):
+        host, port = peer_address(comms[1])
+
+        async def open_() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_connection(host, port)
+
+        reader, writer = await open_()  # the wrong token: the client leaves after CHALLENGE
+        with pytest.raises(AuthenticationError):
+            await client_handshake(reader, writer, "wrong-token", role="peer", rank=0,
+                                   timeout=2)
+        await close_writer(writer)
+        await logs.wait_for(r"rank 1: dropped .*without a PROOF")
+        _, writer = await open_()  # a truncated HELLO, then EOF
+        writer.write(_hello_bytes()[:30])
+        await close_writer(writer)
+        await logs.wait_for(r"rank 1: dropped .*in the middle of a frame")
+        _, writer = await open_()  # a port scan: connect, close
+        await close_writer(writer)
+        await logs.wait_for(r"rank 1: dropped .*waiting for HELLO")
+        reader, writer = await open_()  # dropped by the rank: logged once, not again
+        writer.write(_with_prefix_field(_hello_bytes(), magic=b"XCOL"))
+        await read_until_closed(reader, 3.0)
+        await close_writer(writer)
+        await asyncio.sleep(0.2)
+        lines = [m for m in logs.messages() if m.startswith("rank 1: dropped")]
+        assert len(lines) == 4, lines
+        assert "client (role='peer', rank=0)" in lines[0], lines
+        assert "another token" in lines[0], lines
+        assert "bad magic" in lines[3], lines
+        assert not [m for m in logs.messages() if m.startswith("rank 0")], logs.messages()
+        assert TOKEN not in "\n".join(logs.messages(logging.DEBUG))
+        assert comms[1].transport.broken is None
+        results = await asyncio.gather(*(c.all_reduce(np.full(3, c.rank + 1)) for c in comms))
+        for a in results:
+            np.testing.assert_array_equal(a, np.full(3, 3))
 
 
 async def test_connections_that_have_not_authenticated_cost_little_memory() -> None:

@@ -274,6 +274,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.reader = BufferedFrameReader(max_payload=0, one_frame=True,
                                           stage_bytes=HANDSHAKE_STAGE_BYTES)
         self._client_sent_proof = False
+        #: this side closed (or aborted) the connection: it logged why if it had to
+        self._dropped = False
         #: a second handle on the socket (dup'd descriptor) that receives poll directly
         self.raw: socket.socket | None = None
 
@@ -380,6 +382,13 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if (not self.authenticated and self._server is not None and not self._dropped
+                and not self.owner._closed):
+            # the other end gave up on the handshake: as any failed one (SPEC, Failures)
+            why = ("stream ended in the middle of a frame" if not self.reader.idle
+                   else self._server.closed_early())
+            log.warning("rank %d: dropped %s: %s%s", self.owner.rank, self._peername(), why,
+                        f" ({exc})" if exc is not None else "")
         self._set_paused(False)  # nothing of it waits to be written any more
         if self.raw is not None:
             self.raw.close()
@@ -601,10 +610,12 @@ class _Connection(asyncio.BufferedProtocol):
         return self.transport is None or self.transport.is_closing()
 
     def _close(self) -> None:
+        self._dropped = True
         if self.transport is not None and not self.closed:
             self.transport.close()
 
     def _abort(self) -> None:
+        self._dropped = True
         if self.transport is not None and not self.closed:
             self.transport.abort()
 
