@@ -395,6 +395,20 @@ async def test_wrong_token_cannot_connect(server: RendezvousServer, logs: LogWat
     assert wrong not in logs.text and TOKEN not in logs.text
 
 
+async def test_an_authentication_error_names_the_rendezvous_it_came_from() -> None:
+    """A rank started with another token read only 'the server failed to prove it knows the
+    token (...)': not that it was the rendezvous (a rank's own refusals name the peer and its
+    address), nor which one (ASYNCCOLL_RENDEZVOUS, rank 0's). The message names it."""
+    async with RendezvousServer(token=TOKEN, job="job-1") as srv:
+        where = f"rendezvous server at {srv.host}:{srv.port}"
+        with pytest.raises(AuthenticationError, match="failed to prove") as info:
+            await connect(srv, token="another")
+        assert where in str(info.value), info.value
+        with pytest.raises(AuthenticationError, match="job mismatch") as info:
+            await connect(srv, job="job-2")
+        assert where in str(info.value), info.value
+
+
 async def test_the_server_log_says_a_client_with_another_token_left(
         server: RendezvousServer, logs: LogWatch) -> None:
     """A rank given another token leaves after the CHALLENGE without a word (SPEC,

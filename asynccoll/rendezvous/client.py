@@ -142,9 +142,10 @@ class RendezvousClient:
         try:
             welcome = await client_handshake(reader, writer, token, role="client", rank=rank,
                                              job=job, timeout=budget)
-        except AuthenticationError:
+        except AuthenticationError as exc:
             await _close_writer(writer, abort=True)
-            raise
+            # (which server: a rank's own refusals name the peer, see TcpTransport._dial)
+            raise AuthenticationError(f"rendezvous server at {address}: {exc}") from None
         except (ProtocolError, TimeoutError) as exc:
             await _close_writer(writer, abort=True)
             raise RendezvousError(f"handshake with the rendezvous server at {address} failed: "
