@@ -97,35 +97,46 @@ def _into(out: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-#: first byte of what a rank sends in an object collective for an object that does not pack
-#: (no msgpack message starts with it: 0xc1 is "never used"); its error message follows
-_UNPACKABLE = 0xC1
+#: first byte of what a rank sends in an object collective for an object it cannot send (no
+#: msgpack message starts with it: 0xc1 is "never used"); then b"T" (the object does not
+#: pack: TypeError) or b"V" (too large: ValueError), then the error's message
+_UNSENDABLE = 0xC1
 
 
-def _pack_object(obj: Any, rank: int) -> np.ndarray:
-    """``obj`` packed by group rank ``rank``. An object that does not pack becomes a marker
-    carrying the error, which the call moves like any object, so that every rank raises it
-    (``_unpack_object``); raising here, before the call, left the other ranks waiting for
-    this one until their timeout broke the world."""
+def _pack_object(obj: Any, rank: int, limit: int | None = None) -> np.ndarray:
+    """``obj`` packed by group rank ``rank``. An object that does not pack, or packs to more
+    than ``limit`` bytes (what one frame may carry), becomes a marker carrying the error,
+    which the call moves like any object, so that every rank raises it (``_unpack_object``):
+    raising here, before the call, left the other ranks waiting for this one until their
+    timeout broke the world, and sending it broke the world at once."""
     try:
         data = msgpack.packb(obj, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        data = bytes([_UNPACKABLE]) + (f"the object of group rank {rank} is not "
-                                       f"msgpack-serialisable: {exc}").encode()
+        data = bytes([_UNSENDABLE]) + b"T" + (f"the object of group rank {rank} is not "
+                                              f"msgpack-serialisable: {exc}").encode()
+    else:
+        if limit is not None and len(data) > limit:
+            data = bytes([_UNSENDABLE]) + b"V" + (
+                f"the object of group rank {rank} packs to {len(data)} bytes, more than one "
+                f"frame may carry (max_payload: {limit} bytes): split it, or raise "
+                f"max_payload on every rank").encode()
     return np.frombuffer(data, dtype=np.uint8)
 
 
 def _unpack_object(a: np.ndarray, rank: int) -> Any:
     """The object group rank ``rank`` packed in ``a``. Called after the collective that moved
-    it, so that an object that does not pack, or packs but does not unpack (a dict with tuple
-    keys: a list is no key), raises on every rank and leaves the communicator usable.
+    it, so that an object that does not pack, is too large, or packs but does not unpack (a
+    dict with tuple keys: a list is no key) raises on every rank and leaves the communicator
+    usable.
 
     Raises:
-        TypeError: ``a`` is the marker of an object that did not pack, or does not unpack.
+        TypeError: the object did not pack, or does not unpack.
+        ValueError: the object was too large to send.
     """
     data = a.tobytes()
-    if data[:1] == bytes([_UNPACKABLE]):
-        raise TypeError(data[1:].decode(errors="replace"))
+    if data[:1] == bytes([_UNSENDABLE]):
+        error = ValueError if data[1:2] == b"V" else TypeError
+        raise error(data[2:].decode(errors="replace"))
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except (TypeError, ValueError) as exc:
@@ -890,9 +901,12 @@ class Communicator:
             TypeError: root's ``obj`` does not pack (a set, a NumPy array or integer), or packs
                 but does not unpack (a dict with tuple keys): on every rank, once the call
                 has moved it, and the communicator stays usable.
+            ValueError: root's ``obj`` packs to more than one frame may carry (the TCP
+                option ``max_payload``): on every rank too.
         """
         root = self._check_rank(root, "root")
-        data = _pack_object(obj, root) if self._rank == root else None
+        data = (_pack_object(obj, root, self._transport.max_payload) if self._rank == root
+                else None)
 
         async def body(call: Call) -> np.ndarray:
             if call.size == 1:
@@ -906,11 +920,11 @@ class Communicator:
         """Every rank's ``obj`` in rank order (msgpack-serialisable).
 
         Raises:
-            TypeError: a rank's ``obj`` does not pack or does not unpack: as in
-                ``broadcast_object``, on every rank (naming the first such rank), and the
-                communicator stays usable.
+            TypeError, ValueError: a rank's ``obj`` does not pack, does not unpack or is too
+                large: as in ``broadcast_object``, on every rank (naming the first such
+                rank), and the communicator stays usable.
         """
-        data = _pack_object(obj, self._rank)
+        data = _pack_object(obj, self._rank, self._transport.max_payload)
         algo = self._tuning.all_gather(self.world_size)
 
         async def body(call: Call) -> list[np.ndarray]:

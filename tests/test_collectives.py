@@ -1253,6 +1253,27 @@ async def test_object_that_does_not_pack_raises_on_every_rank(run, backend, worl
     await run(fn, world_size, backend, timeout=5)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_object_larger_than_a_frame_raises_value_error_on_every_rank(run, world_size):
+    """An object that packs to more than ``max_payload``: ``ValueError`` on every rank saying
+    so (docs/collectives.md), and the communicator goes on. The sender raised "an array of N
+    bytes is larger than one frame may carry" (no array in sight) and every other rank a
+    ``CollectiveError``: the world was broken."""
+    last = world_size - 1
+
+    async def fn(comm: Communicator) -> None:
+        big = "x" * 5000
+        with pytest.raises(ValueError, match=f"object of group rank {last} packs to 5003 "
+                                             f"bytes, more than one frame may carry"):
+            await comm.broadcast_object(big if comm.rank == last else None, root=last)
+        with pytest.raises(ValueError, match="object of group rank 0 packs to 5003 bytes"):
+            await comm.all_gather_object(big if comm.rank == 0 else "small")
+        assert await comm.all_gather_object("x" * 900) == ["x" * 900] * world_size
+        assert await comm.broadcast_object({"ok": 1}, root=last) == {"ok": 1}
+
+    await run(fn, world_size, "tcp", timeout=5, max_payload=1000)
+
+
 # ---------------------------------------------------------------------------------- groups
 
 def some_members(world_size: int) -> list[int]:
