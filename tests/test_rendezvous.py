@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import LogWatch
 
-from asynccoll.errors import AuthenticationError, RendezvousError
+from asynccoll.errors import AuthenticationError, ProtocolError, RendezvousError
 from asynccoll.handshake import client_handshake, read_frame, server_handshake, write_frame
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer, serve
 from asynccoll.wire import Frame, FrameHeader, FrameKind, decode_frames, encode_frame_bytes
@@ -168,6 +168,25 @@ async def test_huge_key_in_error_message(client: RendezvousClient) -> None:
     assert len(str(info.value)) < 1100
     await client.set(key, b"v")
     assert await client.get(key) == b"v"
+
+
+async def test_a_key_that_cannot_be_sent_is_the_callers_error(client: RendezvousClient) -> None:
+    """A key over the 64 KiB header, or one that is not UTF-8 text (a lone surrogate from
+    os.fsdecode), raised ProtocolError 'header of 70039 bytes exceeds 65536', the error of a
+    peer that breaks the protocol, naming neither the call nor the key. Now a ValueError
+    that names the call; nothing is sent and the connection stays usable."""
+    for key, why in (("k" * 70_000, "65536"), ("bad-\udcff", "utf-8")):
+        with pytest.raises(ValueError) as info:
+            await client.set(key, b"v")
+        assert not isinstance(info.value, ProtocolError), repr(info.value)
+        assert str(info.value).startswith("rendezvous set: the request cannot be sent"), info.value
+        assert why in str(info.value), info.value
+        with pytest.raises(ValueError, match="rendezvous wait: the request cannot be sent"):
+            await client.wait([key], timeout=1)
+    assert not client.closed
+    await client.set("fine", b"v")
+    assert await client.get("fine") == b"v"
+    assert await client.num_keys() == 1
 
 
 async def test_wait(client: RendezvousClient) -> None:

@@ -68,6 +68,9 @@ class RendezvousClient:
         RendezvousError: the server refused the request (its message is included), did not
             answer in time, or the connection is lost or closed. After a lost connection every
             pending and later call raises at once.
+        ValueError: the request cannot be sent (its key and arguments over the 64 KiB
+            header, or text that is not UTF-8), or its value is over the server's
+            ``max_value_bytes``; nothing was sent and the connection stays usable.
     """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
@@ -246,8 +249,11 @@ class RendezvousClient:
         self._pending[rid] = fut
         budget = self._timeout if wait_s is None else wait_s + RESPONSE_GRACE
         try:
-            write_frame(self._writer, Frame(
-                FrameKind.REQUEST, FrameHeader(meta={"id": rid, "op": op, **args}), payload))
+            try:
+                write_frame(self._writer, Frame(
+                    FrameKind.REQUEST, FrameHeader(meta={"id": rid, "op": op, **args}), payload))
+            except ProtocolError as exc:  # (a key over the 64 KiB header, not UTF-8): unsent
+                raise ValueError(f"rendezvous {op}: the request cannot be sent: {exc}") from None
             async with asyncio.timeout(budget):
                 await self._writer.drain()
                 meta, result = await fut
