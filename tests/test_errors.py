@@ -729,6 +729,21 @@ async def test_init_mpi_names_the_arguments_that_do_not_apply() -> None:
         await asynccoll.init(backend="mpi", addr="127.0.0.1", port=1234)
 
 
+@pytest.mark.parametrize(("given", "message"), [
+    ({"rank": "0"}, "rank must be an int, got '0'"),
+    ({"rank": True}, "rank must be an int, got True"),
+    ({"world_size": 1.0}, "world_size must be an int, got 1.0"),
+])
+async def test_init_mpi_refuses_a_rank_or_size_that_is_no_int(given: dict[str, Any],
+                                                             message: str) -> None:
+    """``init("mpi", rank="0")`` said "rank=0 was given but MPI says this process is rank 0"
+    (and ``rank=True`` passed as rank 1): a ``TypeError`` naming the argument, before MPI is
+    touched, as on tcp."""
+    with pytest.raises(TypeError) as info:
+        await asynccoll.init(backend="mpi", **given)
+    assert str(info.value) == message
+
+
 def test_abort_with_a_bool_for_the_lost_rank_names_no_rank() -> None:
     from asynccoll.transport.base import error_from_abort
     from asynccoll.wire import Frame, FrameHeader, FrameKind
