@@ -111,8 +111,15 @@ def test_vectors_are_up_to_date() -> None:
 def test_vector_file_shape() -> None:
     assert VECTORS["version"] == 1
     assert set(EXCHANGES) >= {"accepted", "accepted_empty_token", "client_rejects_wrong_server",
-                              "server_rejects_wrong_proof", "job_mismatch"}
-    assert {"hello_bad_role", "proof_instead_of_hello", "proof_31_bytes"} <= set(MALFORMED)
+                              "server_rejects_wrong_proof", "job_mismatch",
+                              # the token's rules (SPEC, Token; Nonces and proofs): text is
+                              # UTF-8, a key over 64 bytes is hashed first (RFC 2104)
+                              "accepted_non_ascii_token", "accepted_long_token"}
+    assert EXCHANGES["accepted_non_ascii_token"]["client"]["token"].encode() != \
+        EXCHANGES["accepted_non_ascii_token"]["client"]["token"].encode("latin-1", "replace")
+    assert len(EXCHANGES["accepted_long_token"]["client"]["token"].encode()) > 64
+    assert {"hello_bad_role", "proof_instead_of_hello", "proof_31_bytes", "hello_rank_negative",
+            "hello_job_bin", "proof_str"} <= set(MALFORMED)
     assert VECTORS["labels"] == {"server": "asynccoll/v1/server", "client": "asynccoll/v1/client"}
 
 
