@@ -394,3 +394,99 @@ async def test_a_member_that_leaves_loses_no_steps(strategy: str) -> None:
         assert r["history"] == [(0, 3, 0), (1, 2, leave_at + 1)], r["history"]
     np.testing.assert_array_equal(a["params"], b["params"])
     assert took < 15, f"took {took:.1f} s: the survivors waited for the leaver"
+
+
+class Gone(Exception):
+    """A member that crashed (the test's stand-in for a killed process)."""
+
+
+async def elastic_member(rdv: str, total: int, *, leave_at: int | None = None,
+                         crash_before: int | None = None, crash_after: int | None = None,
+                         max_nodes: int = 4, commit_every: int = 10) -> dict[str, Any]:
+    """One DDP member over ``rdv``: asks to leave before step ``leave_at``; drops its
+    connections (as a killed process would) before step ``crash_before``, or after step
+    ``crash_after`` (before the membership check that follows it)."""
+    group = await ElasticGroup.connect(min_nodes=2, max_nodes=max_nodes, rendezvous=rdv,
+                                       token="t", settle=0.2, timeout=20)
+
+    def build(comm: Communicator) -> DistributedModel:
+        return as_distributed(MLP(SIZES, seed=0), comm, Adam(lr=0.01))
+
+    async def step_fn(dist: DistributedModel, step: int) -> float:
+        loss = await dist.step(my_share(step, dist.comm))
+        if step == crash_after:
+            await crash(dist.comm)
+            raise Gone
+        return loss
+
+    try:
+        trainer = ElasticTrainer(group, build, commit_every=commit_every)
+        await trainer.start()
+        while trainer.step < total and not trainer.left:
+            if trainer.step == leave_at:
+                trainer.request_leave()
+            if trainer.step == crash_before:
+                await crash(trainer.comm)
+                return {"crashed": True}
+            try:
+                await trainer.run_step(step_fn)
+            except Gone:
+                return {"crashed": True}
+        if trainer.left:
+            return {"left_at": trainer.step, "history": trainer.history}
+        assert trainer.dist is not None, f"no model after the loop: {trainer.history}"
+        params, _, _ = await trainer.dist.full_state()
+        return {"params": params, "history": trainer.history, "step": trainer.step}
+    finally:
+        await group.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_dying_after_the_last_step_leaves_the_others_a_model() -> None:
+    """A member dies after the job's last step, before the membership check that follows it:
+    the check fails on the others. Their loop must not end there without a model (trainer.dist
+    None): they re-form from their commit before run_step returns, redo the lost steps and
+    end with a working world and the replay's parameters."""
+    total = 37
+    server = RendezvousServer("127.0.0.1", 0, token="t")
+    await server.start()
+    rdv = f"127.0.0.1:{server.port}"
+    try:
+        a, b, c = await asyncio.gather(elastic_member(rdv, total), elastic_member(rdv, total),
+                                       elastic_member(rdv, total, crash_after=total - 1))
+    finally:
+        await server.close()
+    want = await replay(total, lambda: Adam(lr=0.01))
+    assert c == {"crashed": True}
+    for r in (a, b):
+        assert r["step"] == total
+        # back to the commit of step 30, then on to the end in a world of two
+        assert r["history"] == [(0, 3, 0), (1, 2, 30)], r["history"]
+        np.testing.assert_allclose(r["params"], want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
+async def test_a_leaver_whose_step_fails_leaves_instead_of_joining_the_next_world() -> None:
+    """A member asked to leave, whose step then fails because another member died in the same
+    step, leaves at once: it does not join the next generation only to leave it at the next
+    check (which cost the others a second re-formation, and kept a process that was told to
+    go running for up to commit_every more steps)."""
+    total = 30
+    server = RendezvousServer("127.0.0.1", 0, token="t")
+    await server.start()
+    rdv = f"127.0.0.1:{server.port}"
+    try:
+        results = await asyncio.gather(
+            elastic_member(rdv, total), elastic_member(rdv, total),
+            elastic_member(rdv, total, leave_at=12),
+            elastic_member(rdv, total, crash_before=12))
+    finally:
+        await server.close()
+    a, b, leaver, dead = results
+    want = await replay(total, lambda: Adam(lr=0.01))
+    assert dead == {"crashed": True}
+    # the step it was in (12) failed: it leaves there, never in a world after the first
+    assert leaver == {"left_at": 12, "history": [(0, 4, 0)]}, leaver
+    for r in (a, b):
+        assert r["history"] == [(0, 4, 0), (1, 2, 10)], r["history"]
+        np.testing.assert_allclose(r["params"], want, rtol=1e-9, atol=1e-12)

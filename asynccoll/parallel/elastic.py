@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -130,7 +130,10 @@ class ElasticTrainer:
         Every ``check_every`` steps, after the step, the ranks check membership together: if
         a process asked to join or a member leaves (``request_leave``), they commit and form
         the next generation (the leavers close their world instead). A member that fails
-        makes the others retry from the last commit in a new world.
+        makes the others retry from the last commit in a new world; when that failure comes
+        in the check after the step, they form it before returning (``step`` is then the
+        commit's), so that a loop ending there still has a model. A process asked to leave
+        whose step fails leaves there instead of joining the next world (it returns None).
 
         Raises:
             RendezvousError: no new world formed within the group's ``timeout`` (fewer than
@@ -138,13 +141,18 @@ class ElasticTrainer:
             CollectiveError: more than ``max_reforms`` failures in a row.
             RuntimeError: this process left the job.
         """
+        if self._left_at is not None:
+            raise RuntimeError(f"this process left the elastic job at step {self._left_at}")
+        ran, out = False, None  # whether the step ran, what fn returned
         while True:
-            if self._left_at is not None:
-                raise RuntimeError(f"this process left the elastic job at step "
-                                   f"{self._left_at}")
             try:
                 if self.dist is None:
+                    if self._leave:             # asked to go: not into another world
+                        await self._quit(None)
+                        return cast(T, out)
                     await self._reform()
+                    if ran:                     # the check after the step failed
+                        return cast(T, out)
                     continue
                 out = await fn(self.dist, self.step)
                 self.step += 1
@@ -158,21 +166,35 @@ class ElasticTrainer:
                 self._failed_in_a_row += 1
                 if self._failed_in_a_row > self.max_reforms:
                     raise
-                log.warning("elastic: step %d failed (%s); re-forming from the commit of "
-                            "step %s", self.step, exc, self._commit[0] if self._commit else "-")
+                log.warning("elastic: step %d failed (%s); %s", self.step, exc,
+                            "leaving" if self._leave else "re-forming from the commit of "
+                            f"step {self._commit[0] if self._commit else '-'}")
                 self.dist = None
                 continue
+            ran = True
             if self._since_check == 0:
                 # every rank of a world comes here after the same step (the counter restarts
                 # with each world), so they all take part in the check
                 await self._membership()
+                if self.dist is None and self._left_at is None:
+                    continue                    # it failed: re-form before returning
             return out
+
+    async def _quit(self, after: Exception | None) -> None:
+        """Leave the job at ``step``: close the world, form no more."""
+        await self.group.leave()
+        self.dist, self._left_at = None, self.step
+        if after is None:
+            log.info("elastic: left the job at step %d", self.step)
+        else:
+            log.warning("elastic: left the job at step %d after %s", self.step, after)
 
     async def _membership(self) -> None:
         """The check after a step: commit and move on if a process joins or a member leaves.
-        A failure here costs no step: the step is done, the next ``run_step`` re-forms."""
+        If it fails, ``dist`` is None: the caller re-forms, from the last commit."""
+        leaving = self._leave   # what this rank tells the others (a signal may set it later)
         try:
-            reform, leavers = await self.group.check(leaving=self._leave)
+            reform, leavers = await self.group.check(leaving=leaving)
             if not reform:
                 return
             log.info("elastic: %s at step %d; committing it",
@@ -180,22 +202,19 @@ class ElasticTrainer:
                      self.step)
             if self._commit is None or self._commit[0] != self.step:
                 await self.commit()
-            if self._leave:
-                await self.group.leave()
-                self.dist, self._left_at = None, self.step
-                log.info("elastic: left the job at step %d", self.step)
+            if leaving:
+                await self._quit(None)
                 return
             await self._reform()
         except RendezvousError:
             raise
         except CollectiveError as exc:
-            if self._leave:  # the others have a commit each: go anyway
-                await self.group.leave()
-                self.dist, self._left_at = None, self.step
-                log.warning("elastic: left the job at step %d after %s", self.step, exc)
+            if leaving:  # the others have a commit each: go anyway
+                await self._quit(exc)
                 return
-            log.warning("elastic: re-forming after step %d failed (%s); from the commit of "
-                        "step %s", self.step, exc, self._commit[0] if self._commit else "-")
+            log.warning("elastic: the membership check after step %d failed (%s); "
+                        "re-forming from the commit of step %s", self.step, exc,
+                        self._commit[0] if self._commit else "-")
             self.dist = None
 
     async def commit(self) -> None:
