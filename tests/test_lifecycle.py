@@ -155,6 +155,22 @@ async def test_a_bad_timeout_is_refused(backend: str, timeout: object) -> None:
         await asynccoll.run_local(fn, 2, backend, timeout=timeout)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), 1e6])
+async def test_tcp_takes_no_timeout_or_a_long_one(timeout: float) -> None:
+    """``timeout=inf`` (no timeout, as on the memory backend) or one longer than a day: a
+    TCP world failed to form with "timeout must be a number in [0, 86400.0], got inf" (the
+    rendezvous' bound of a wait), from ``run_local`` and ``init`` alike; the world's
+    formation now waits at most that day, and the collectives have the timeout given."""
+    async def fn(comm: Communicator) -> float:
+        assert comm.timeout == timeout
+        return float((await comm.all_reduce(np.ones(1)))[0])
+
+    assert await asynccoll.run_local(fn, 2, "tcp", timeout=timeout) == [2.0, 2.0]
+    comm = await asynccoll.init("tcp", rank=0, world_size=1, port=0, timeout=timeout)
+    async with comm:
+        assert await fn(comm) == 1.0
+
+
 async def test_a_closed_communicator_keeps_no_timer() -> None:
     """The watchdog's timer goes with the communicator (no world kept alive by it)."""
     async def fn(comm: Communicator) -> Communicator:

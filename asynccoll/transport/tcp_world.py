@@ -207,6 +207,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                    peer_loss: str = "abort") -> Communicator:
     """Join a TCP world; see ``asynccoll.init``."""
     from ..rendezvous import RendezvousClient, RendezvousServer
+    from ..rendezvous._common import MAX_WAIT_TIMEOUT
 
     rank = _env_int(rank, "ASYNCCOLL_RANK", "RANK", what="rank")
     world_size = _env_int(world_size, "ASYNCCOLL_WORLD_SIZE", "WORLD_SIZE", what="world size")
@@ -214,6 +215,8 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         raise ValueError("rank and world_size must be given (arguments, ASYNCCOLL_RANK/RANK and "
                          "ASYNCCOLL_WORLD_SIZE/WORLD_SIZE); start processes with `asynccoll run`")
     check_timeout(timeout)  # before anything is opened
+    # the rendezvous bounds a wait to a day: a longer timeout (inf: none) waits that long
+    wait = min(float(timeout), MAX_WAIT_TIMEOUT)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     addr = addr or _env("ASYNCCOLL_ADDR", "MASTER_ADDR") or "127.0.0.1"
@@ -244,7 +247,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     transport: TcpTransport | None = None
     client = None
     try:
-        client = await RendezvousClient.connect(rdv_host, rdv_port, token=token, timeout=timeout,
+        client = await RendezvousClient.connect(rdv_host, rdv_port, token=token, timeout=wait,
                                                 rank=rank)
         if bind is None:
             bind = _env("ASYNCCOLL_BIND")
@@ -261,7 +264,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         await client.join(rank, advertised, lport,
                           {"crowded": transport.yields, "world_size": world_size})
         try:
-            roster = await client.roster(world_size, timeout)
+            roster = await client.roster(world_size, wait)
         except RendezvousError as exc:
             raise await _unfilled(client, exc, rank, world_size, (advertised, lport),
                                   seen) from None
@@ -307,6 +310,8 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
     rendezvous ``client``, and waits for every other rank's address. ``job`` (distinct per
     generation) makes the handshake refuse connections from another generation's transports.
     """
+    from ..rendezvous._common import MAX_WAIT_TIMEOUT
+
     check_timeout(timeout)  # before anything is opened
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
@@ -320,7 +325,7 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
         await client.set(f"{prefix}/crowded/{rank}", b"1" if transport.yields else b"0")
         await client.set(f"{prefix}/addr/{rank}", f"{host}:{lport}")
         keys = [f"{prefix}/addr/{r}" for r in range(world_size)]
-        await client.wait(keys, timeout=timeout)
+        await client.wait(keys, timeout=min(float(timeout), MAX_WAIT_TIMEOUT))
         crowded = False
         for r, key in enumerate(keys):
             value = (await client.get(key, wait=False)).decode()
