@@ -69,13 +69,24 @@ _U32: Final = (1 << 32) - 1
 def normalize_token(token: str | bytes | bytearray | memoryview | None) -> bytes:
     """The token as HMAC key bytes: ``str`` is UTF-8 encoded, ``None`` means ``b""``.
 
+    A ``str`` read from an environment (``ASYNCCOLL_TOKEN``) whose bytes are not UTF-8 holds
+    them as surrogate escapes (PEP 383): those bytes are the key, as ``os.fsencode`` gives them,
+    so every process that reads the same environment, and a ``bytes`` token of the same bytes,
+    agree.
+
     Raises:
         TypeError: any other type.
+        ValueError: a ``str`` with other lone surrogates, which no environment gives (the
+            message quotes nothing of the token).
     """
     if token is None:
         return b""
     if isinstance(token, str):
-        return token.encode("utf-8")
+        try:
+            return token.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # (its message would quote the token's character)
+            raise ValueError("the token is a str that is not UTF-8 text (it holds lone "
+                             "surrogates); pass bytes instead") from None
     if isinstance(token, bytes | bytearray | memoryview):
         return bytes(token)
     raise TypeError(f"token must be str, bytes or None, not {type(token).__name__}")

@@ -26,6 +26,7 @@ from asynccoll.handshake import (
     ClientHandshake,
     ServerHandshake,
     client_handshake,
+    normalize_token,
     read_frame,
     server_handshake,
     write_frame,
@@ -278,6 +279,24 @@ def test_str_and_bytes_tokens_are_the_same_key() -> None:
     client, server = pair("sécret", "sécret".encode())
     run_exchange(client, server)
     assert server.accepted
+
+
+def test_a_token_from_an_environment_that_is_not_utf8_is_its_bytes() -> None:
+    """ASYNCCOLL_TOKEN holding bytes that are not UTF-8 (a token made with head -c 16
+    /dev/urandom) reaches Python as a str with surrogate escapes; encoding it raised
+    UnicodeEncodeError in every handshake (the rendezvous server logged an internal error with
+    a traceback per connection; the rank's message quoted a character of the token and its
+    position). The key is the bytes the environment holds, so every process agrees, and a
+    str that no environment could give is refused when the handshake is made, quoting
+    nothing of it."""
+    assert normalize_token("abc\udcffdef") == b"abc\xffdef"
+    client, server = pair("abc\udcffdef", b"abc\xffdef")
+    run_exchange(client, server)
+    assert server.accepted
+    with pytest.raises(ValueError) as info:
+        ClientHandshake("x\ud800secret", role="client")
+    assert "secret" not in str(info.value) and "ud800" not in str(info.value)
+    assert "UTF-8" in str(info.value), info.value
 
 
 def test_none_token_is_empty_token() -> None:

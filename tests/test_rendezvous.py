@@ -442,6 +442,22 @@ async def test_the_server_log_says_a_client_with_another_token_left(
     assert "another-token" not in logs.text and TOKEN not in logs.text
 
 
+async def test_a_token_with_surrogate_escapes_works_end_to_end(logs: LogWatch) -> None:
+    """A server given ASYNCCOLL_TOKEN with bytes that are not UTF-8 (a str with surrogate
+    escapes) failed every connection with 'internal error' and a traceback; it is refused at
+    construction only when no environment could have produced it."""
+    token = "tok-\udcff\udcfe"
+    async with RendezvousServer(token=token) as srv:
+        for client_token in (token, b"tok-\xff\xfe"):
+            async with await connect(srv, token=client_token) as c:
+                await c.set("k", b"v")
+        with pytest.raises(AuthenticationError):
+            await connect(srv, token="tok-")
+    assert not [r for r in logs.records if r.levelno >= logging.ERROR], logs.text
+    with pytest.raises(ValueError, match="UTF-8"):
+        RendezvousServer(token="tok-\ud800")
+
+
 async def test_job_mismatch_cannot_connect() -> None:
     async with RendezvousServer(token=TOKEN, job="job-1") as srv:
         with pytest.raises(AuthenticationError, match="job mismatch"):

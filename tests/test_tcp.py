@@ -675,6 +675,20 @@ async def test_hostile_connections_while_the_world_works(logs: LogWatch) -> None
         assert TOKEN not in "\n".join(logs.messages(logging.DEBUG))
 
 
+async def test_a_token_from_an_environment_that_is_not_utf8(logs: LogWatch) -> None:
+    """ASYNCCOLL_TOKEN with bytes that are not UTF-8 (a str with surrogate escapes) made the
+    rendezvous log an internal error per connection and the ranks fail with
+    UnicodeEncodeError quoting a character of the token; its bytes are the key now. A str
+    that no environment gives is refused when the transport is made, not in a callback."""
+    async with tcp_world(2, token="tok-\udcff") as (_, comms):
+        results = await asyncio.gather(*(c.all_reduce(np.full(3, c.rank + 1)) for c in comms))
+        for a in results:
+            np.testing.assert_array_equal(a, np.full(3, 3))
+    assert not logs.messages(logging.ERROR), logs.messages(logging.ERROR)
+    with pytest.raises(ValueError, match="UTF-8"):
+        TcpTransport(0, 2, token="tok-\ud800")
+
+
 async def test_a_connection_that_gives_up_before_authenticating_is_logged(
         logs: LogWatch) -> None:
     """A rank logged nothing for a connection that its other end closed before the handshake

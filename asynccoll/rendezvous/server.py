@@ -8,7 +8,7 @@ from typing import Any
 
 from .._aio import close_server, is_loopback, uncancelled, wait_server_closed
 from ..errors import ProtocolError
-from ..handshake import read_frame, server_handshake, write_frame
+from ..handshake import normalize_token, read_frame, server_handshake, write_frame
 from ..wire import Frame, FrameHeader, FrameKind
 from ._common import (
     _I64_MAX,
@@ -114,6 +114,7 @@ class RendezvousServer:
             raise ValueError("send_timeout must be a positive number")
         if token is not None and not isinstance(token, str | bytes):
             raise TypeError("token must be str, bytes or None")
+        normalize_token(token)  # (a str that cannot be a key: now, not at every connection)
         if not isinstance(job, str):
             raise TypeError(f"job must be a str, not {type(job).__name__}")
         self._bind = (host, port)

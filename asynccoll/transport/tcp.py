@@ -67,7 +67,13 @@ from ..errors import (
     PeerLostError,
     ProtocolError,
 )
-from ..handshake import REASON_JOB, REASON_PROTOCOL, ClientHandshake, ServerHandshake
+from ..handshake import (
+    REASON_JOB,
+    REASON_PROTOCOL,
+    ClientHandshake,
+    ServerHandshake,
+    normalize_token,
+)
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Frame,
@@ -637,6 +643,7 @@ class TcpTransport(Transport):
         self.mailbox.reclaim = self.scratch.reclaim
         self.peer_loss = check_peer_loss(peer_loss)
         self.loop = asyncio.get_running_loop()
+        normalize_token(token)  # a token that cannot be a key fails here, not in a callback
         self.token = token
         self.job = job
         self.max_payload = max_payload
