@@ -192,9 +192,8 @@ class ElasticTrainer:
     async def _membership(self) -> None:
         """The check after a step: commit and move on if a process joins or a member leaves.
         If it fails, ``dist`` is None: the caller re-forms, from the last commit."""
-        leaving = self._leave   # what this rank tells the others (a signal may set it later)
         try:
-            reform, leavers = await self.group.check(leaving=leaving)
+            reform, leavers = await self.group.check(leaving=self._leave)
             if not reform:
                 return
             log.info("elastic: %s at step %d; committing it",
@@ -202,14 +201,14 @@ class ElasticTrainer:
                      self.step)
             if self._commit is None or self._commit[0] != self.step:
                 await self.commit()
-            if leaving:
+            if self._leave:
                 await self._quit(None)
                 return
             await self._reform()
         except RendezvousError:
             raise
         except CollectiveError as exc:
-            if leaving:  # the others have a commit each: go anyway
+            if self._leave:  # the others have a commit each: go anyway
                 await self._quit(exc)
                 return
             log.warning("elastic: the membership check after step %d failed (%s); "
