@@ -325,7 +325,7 @@ class Communicator:
         self._children = 0
         self._closed = False
         self._owns_transport = owns_transport
-        self.timeout = check_timeout(timeout)
+        self._timeout_s = check_timeout(timeout)
         self._watchdog = _Watchdog(transport)
         self.tuning = tuning if tuning is not None else Tuning()  # also starts self._plans
         self.backend = backend
@@ -341,6 +341,17 @@ class Communicator:
     def world_size(self) -> int:
         """Number of ranks in the group."""
         return len(self._ranks)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a collective may make no progress before it raises ``CollectiveTimeout``;
+        settable (a number >= 0, ``math.inf`` for none: anything else is a ``TypeError`` or
+        ``ValueError`` at once, not in the next call)."""
+        return self._timeout_s
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout_s = check_timeout(value)
 
     @property
     def tuning(self) -> Tuning:
@@ -469,7 +480,7 @@ class Communicator:
         scope = (self._group, seq)
         watchdog = self._watchdog
         task = watchdog.current_task()
-        watchdog.watch(task, self.timeout)
+        watchdog.watch(task, self._timeout_s)
         try:
             if not agree:
                 return await body(call)
@@ -495,7 +506,7 @@ class Communicator:
         except asyncio.CancelledError:
             if watchdog.expired(task):
                 err = CollectiveTimeout(f"{describe_sig(sig)} on group rank {self._rank} made "
-                                        f"no progress within {self.timeout:g} s "
+                                        f"no progress within {self._timeout_s:g} s "
                                         f"({self._stalled(seq)})")
                 t.abort(err, scope=scope)
                 raise err from None
@@ -868,12 +879,12 @@ class Communicator:
         no progress; a cancellation breaks the world."""
         watchdog = self._watchdog
         task = watchdog.current_task()
-        watchdog.watch(task, self.timeout, self._ranks[peer])
+        watchdog.watch(task, self._timeout_s, self._ranks[peer])
         try:
             return await op
         except asyncio.CancelledError:
             if watchdog.expired(task):
-                err = CollectiveTimeout(f"{timed_out} {self.timeout:g} s")
+                err = CollectiveTimeout(f"{timed_out} {self._timeout_s:g} s")
                 self._p2p_failed(self._ranks[peer], err)
                 raise err from None
             self._transport.abort(CollectiveError(f"{what} on group rank {self._rank} was "
@@ -965,7 +976,7 @@ class Communicator:
         if self._rank not in members:
             return None
         return Communicator(self._transport, ranks=[self._ranks[m] for m in members], group=gid,
-                            timeout=self.timeout, tuning=self._tuning, backend=self.backend,
+                            timeout=self._timeout_s, tuning=self._tuning, backend=self.backend,
                             owns_transport=False)
 
     async def close(self) -> None:

@@ -155,6 +155,31 @@ async def test_a_bad_timeout_is_refused(backend: str, timeout: object) -> None:
         await asynccoll.run_local(fn, 2, backend, timeout=timeout)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+async def test_setting_a_bad_timeout_is_refused_at_once(backend: str) -> None:
+    """``comm.timeout = None`` (meaning "no timeout") or ``"5"`` was taken, and every later
+    call raised "unsupported operand type(s) for /: 'NoneType' and 'int'"; ``-1`` and NaN
+    were taken silently. The attribute is checked as ``run_local(timeout=...)`` is: the bad
+    value is refused where it is set, and the communicator goes on with its timeout."""
+    async def fn(comm: Communicator) -> float:
+        for bad, error in ((None, TypeError), ("5", TypeError), (True, TypeError),
+                           (-1.0, ValueError), (float("nan"), ValueError)):
+            with pytest.raises(error, match="timeout"):
+                comm.timeout = bad  # type: ignore[assignment]
+            assert comm.timeout == 5.0
+        sub = await comm.new_group([1, 0])
+        assert sub is not None
+        with pytest.raises(TypeError, match="timeout"):
+            sub.timeout = None  # type: ignore[assignment]
+        sub.timeout = float("inf")
+        comm.timeout = np.float32(2.5)  # type: ignore[assignment]
+        assert comm.timeout == 2.5 and type(comm.timeout) is float
+        await sub.barrier()
+        return float((await comm.all_reduce(np.ones(1)))[0])
+
+    assert await asynccoll.run_local(fn, 2, backend, timeout=5.0) == [2.0, 2.0]
+
+
 @pytest.mark.parametrize("timeout", [float("inf"), 1e6])
 async def test_tcp_takes_no_timeout_or_a_long_one(timeout: float) -> None:
     """``timeout=inf`` (no timeout, as on the memory backend) or one longer than a day: a
