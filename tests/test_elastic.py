@@ -372,6 +372,11 @@ async def test_a_member_that_leaves_loses_no_steps(strategy: str) -> None:
                 assert group.comm is None and trainer.dist is None
                 with pytest.raises(RuntimeError, match="left the elastic job at step 24"):
                     await trainer.run_step(step_fn)
+                # not "not started: await trainer.start() first"
+                with pytest.raises(RuntimeError, match="left the elastic job at step 24"):
+                    trainer.comm  # noqa: B018
+                with pytest.raises(RuntimeError, match="left the elastic job at step 24"):
+                    await trainer.commit()
                 return {"name": name, "left_at": trainer.step, "history": trainer.history}
             assert trainer.dist is not None
             params, _, _ = await trainer.dist.full_state()

@@ -90,8 +90,13 @@ class ElasticTrainer:
     @property
     def comm(self) -> Communicator:
         if self.group.comm is None:
+            self._check_not_left()
             raise RuntimeError("not started: await trainer.start() first")
         return self.group.comm
+
+    def _check_not_left(self) -> None:
+        if self._left_at is not None:
+            raise RuntimeError(f"this process left the elastic job at step {self._left_at}")
 
     async def start(self) -> None:
         """Join the first generation (or the running job) and get the current state.
@@ -141,8 +146,7 @@ class ElasticTrainer:
             CollectiveError: more than ``max_reforms`` failures in a row.
             RuntimeError: this process left the job.
         """
-        if self._left_at is not None:
-            raise RuntimeError(f"this process left the elastic job at step {self._left_at}")
+        self._check_not_left()
         ran, out = False, None  # whether the step ran, what fn returned
         while True:
             try:
@@ -221,9 +225,10 @@ class ElasticTrainer:
 
         Raises:
             RuntimeError: no model yet (before ``start``, or between a failure and the
-                re-formation).
+                re-formation), or this process left the job.
         """
         if self.dist is None:
+            self._check_not_left()
             raise RuntimeError("no model to commit: await trainer.start() first")
         params, buffers, opt_step = await self.dist.full_state()
         model_buffers = await self.dist.full_buffers()
