@@ -193,6 +193,9 @@ class _Launcher:
         self.elastic = elastic
         self.restarts_left = max_restarts
         self.succeeded = 0
+        #: elastic: processes that exited after leaving the job (not counted as succeeded)
+        self.left = 0
+        self.store: Any = None
         self.watchers: list[asyncio.Future[None]] = []
         #: per process (in the order of ``procs``), the reading of its stdout and stderr,
         #: which children it started may hold open after it has gone
@@ -349,7 +352,10 @@ class _Launcher:
         """Act on the exit of ``proc`` as soon as it exits (not once its output is closed:
         children it started may hold that open), then wait for the end of its output."""
         code = await proc.wait()
-        if code == 0:
+        if code == 0 and self._has_left(rank, proc.pid):
+            self.left += 1
+            self._say(f"asynccoll run: rank {rank} left the job; the others go on\n")
+        elif code == 0:
             self.succeeded += 1
         elif self.interrupted:
             pass  # stopped by the Ctrl-C (or SIGTERM, SIGHUP) that main reports
@@ -372,6 +378,15 @@ class _Launcher:
                       f"stopping the others\n")
             await self.stop()
         await output
+
+    def _has_left(self, rank: int, pid: int) -> bool:
+        """Whether the process labelled ``rank`` left the elastic job (``ElasticGroup.leave``
+        says so in the store) rather than finished its work."""
+        if self.elastic is None or self.store is None:
+            return False
+        from .elastic import PREFIX
+
+        return bool(self.store.data.get(f"{PREFIX}/left/{rank}") == str(pid).encode())
 
     def _signal_all(self, sig: int) -> None:
         """Send ``sig`` to the process group of every rank that runs, or that has exited
@@ -406,6 +421,7 @@ class _Launcher:
             self._say(f"asynccoll run: cannot start the rendezvous server on "
                       f"{self.bind}:{self.port}: {exc}\n")
             return 1
+        self.store = server.store
         loop = asyncio.get_running_loop()
         interrupted = asyncio.Event()
 
@@ -448,8 +464,9 @@ class _Launcher:
             await server.close()
         if self.elastic is not None:
             if self.succeeded < self.elastic[0]:
+                left = f" ({self.left} left the job)" if self.left else ""
                 self._say(f"asynccoll run: only {self.succeeded} processes succeeded, "
-                          f"fewer than --min-nodes {self.elastic[0]}\n")
+                          f"fewer than --min-nodes {self.elastic[0]}{left}\n")
                 return 1
             return 0
         if self.first_failure is not None:

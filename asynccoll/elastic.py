@@ -23,6 +23,9 @@ Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezv
 - ``elastic/G/crowded/R``: ``1`` if rank R shares a core with another rank, else ``0`` (set
   before its address; any ``1`` makes the generation's world crowded, see
   ``Tuning.crowded_segment_bytes``).
+- ``elastic/left/L``: the process group of the process the launcher labels L
+  (``ASYNCCOLL_RANK``), written when it leaves the job (``leave``): the launcher does not
+  count that process's exit as one that finished.
 - ``elastic/swept``: the first generation whose keys are still in the store. Rank 0 of every
   new generation G deletes the keys of the generations before G-1 (those a job no longer
   reads), so a long job keeps a few generations' keys, not every one.
@@ -389,6 +392,18 @@ class ElasticGroup:
         if self.comm is not None:
             old, self.comm = self.comm, None
             await old.close()
+        label = os.environ.get("ASYNCCOLL_RANK")
+        if os.environ.get("ASYNCCOLL_ELASTIC") and label is not None:
+            # for ``asynccoll run``: this process's exit ends no work, it must not count
+            # among those that finished. The launcher's label, and its process group: the
+            # launcher's child leads it (a session of its own), be this process that child
+            # or one a wrapper script started
+            group = getattr(os, "getpgrp", os.getpid)()
+            try:
+                await self.client.set(f"{PREFIX}/left/{label}", str(group))
+            except Exception as exc:  # the launcher is gone: nobody to tell
+                log.warning("elastic: could not tell the launcher that %s left (%s)",
+                            self.id, exc)
         log.info("elastic: %s left the job", self.id)
 
     async def close(self) -> None:
