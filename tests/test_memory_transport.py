@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -352,3 +353,56 @@ async def test_a_cancelled_ranks_buffers_are_not_written_after_it_returns() -> N
             await c.close()
     assert results == ["failed", "intact"]
     assert not _memory_threads()
+
+
+@pytest.mark.parametrize("how", ["seterr", "errstate"])
+async def test_the_worlds_threads_reduce_under_the_callers_numpy_error_state(how: str) -> None:
+    """NumPy's error state (``np.seterr``, ``np.errstate``) is a context variable: the
+    world's worker threads had NumPy's defaults, so a large all_reduce that overflowed under
+    ``over="raise"`` returned inf with a RuntimeWarning (a small one raised
+    FloatingPointError), and under ``over="ignore"`` warned once per chunk. The chunks run
+    in the caller's context now, as a reduction in the event loop's thread does."""
+    world = MemoryWorld(2, threads=2)
+    comms = [Communicator(t, timeout=10) for t in world.transports]
+    ran_in: set[str] = set()
+    real = np.add
+
+    def add(*args: Any, **kw: Any) -> Any:
+        ran_in.add(threading.current_thread().name)
+        return real(*args, **kw)
+
+    async def one(comm: Communicator) -> BaseException | np.ndarray:
+        x = np.full(1 << 20, 3e38, np.float32)  # 4 MiB: reduced by the worker threads
+        try:
+            return await comm.all_reduce(x)
+        except Exception as exc:
+            return exc
+
+    ops._UFUNCS[ReduceOp.SUM] = add  # type: ignore[assignment]
+    try:
+        async with asyncio.timeout(20):
+            if how == "seterr":
+                saved = np.seterr(over="raise")
+                try:
+                    raised = await asyncio.gather(*(one(c) for c in comms))
+                finally:
+                    np.seterr(**saved)
+            else:
+                with np.errstate(over="raise"):
+                    raised = await asyncio.gather(*(one(c) for c in comms))
+            assert any(n.startswith("asynccoll-memory") for n in ran_in), ran_in
+            assert all(isinstance(r, FloatingPointError) for r in raised), raised
+            for c in comms:
+                await c.close()
+
+            world = MemoryWorld(2, threads=2)
+            comms = [Communicator(t, timeout=10) for t in world.transports]
+            with warnings.catch_warnings(), np.errstate(over="ignore"):
+                warnings.simplefilter("error")  # a RuntimeWarning would fail the call
+                ignored = await asyncio.gather(*(one(c) for c in comms))
+            for got in ignored:
+                assert isinstance(got, np.ndarray) and np.isinf(got).all(), got
+    finally:
+        ops._UFUNCS[ReduceOp.SUM] = real
+        for c in comms:
+            await c.close()

@@ -17,6 +17,7 @@ A world is an object (``MemoryWorld``); two worlds in one process share nothing.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import threading
@@ -62,10 +63,15 @@ def _cores() -> int:
 class _Job:
     """One ``compute_and_post`` call's work: ``left`` chunks to go, then ``future`` is set."""
 
-    __slots__ = ("busy", "cancelled", "claims", "error", "future", "left", "loop")
+    __slots__ = ("busy", "cancelled", "claims", "context", "error", "future", "left", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, left: int) -> None:
         self.loop = loop
+        #: the caller's context: its chunks run in copies of it, so that NumPy's error state
+        #: (``np.seterr``, ``np.errstate``: context variables) is the caller's, as when a
+        #: reduction runs in the event loop's thread (a worker thread's own context has
+        #: NumPy's defaults: an overflow under ``over="raise"`` passed as inf)
+        self.context = contextvars.copy_context()
         self.future: asyncio.Future[None] = loop.create_future()
         self.left = left
         self.error: BaseException | None = None
@@ -78,7 +84,8 @@ class _Job:
         """Run one of the job's chunks, unless the job failed or was given up."""
         if self.error is None and not self.cancelled:
             try:
-                unit()
+                # a copy: one context cannot be entered by two threads at once
+                self.context.copy().run(unit)
             except BaseException as exc:  # handed to the job's caller
                 self.error = exc
 
