@@ -181,10 +181,13 @@ class _Watchdog:
     #: the timers' resolution (uvloop's): a look this early counts as on time
     SLACK = 1e-3
 
-    __slots__ = ("__weakref__", "_armed", "_calls", "_expired", "_handle", "_loop", "_transport")
+    __slots__ = ("__weakref__", "_armed", "_calls", "_expired", "_handle", "_loop", "_ref",
+                 "_transport")
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
+        #: what the timer holds: this watchdog strongly while it watches calls, weakly after
+        self._ref = _TimerRef(self)
         #: per task: [when to look at it next, timeout, the peer of a point-to-point call or
         #: -1, bytes received (from it) at the last look, unsent bytes (to it) at the last
         #: look or -1, when bytes last moved (or the call began)]
@@ -213,6 +216,8 @@ class _Watchdog:
         now = loop.time()
         deadline = now + timeout / self.CHECKS
         t = self._transport
+        if not self._calls:
+            self._ref.strong = self
         self._calls[task] = [deadline, timeout, peer,
                              t.bytes_received if peer < 0 else t.received_from[peer], -1, now]
         if self._handle is None or deadline < self._armed:
@@ -222,17 +227,23 @@ class _Watchdog:
             self._arm(loop, deadline)
 
     def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
-        """Set the timer for ``deadline``. It refers to the watchdog weakly: a timer left
-        armed after the last call (it is not cancelled per call: that costs) must not keep
-        a communicator nobody uses any more, and with it the world's transport, alive until
-        it fires; a call without a timeout (``inf``) arms none at all (it would stay in the
-        event loop for good)."""
+        """Set the timer for ``deadline``. It refers to the watchdog weakly once no call is
+        watched: a timer left armed after the last call (it is not cancelled per call: that
+        costs) must not keep a communicator nobody uses any more, and with it the world's
+        transport, alive until it fires. While calls are watched it holds the watchdog, and
+        with it their tasks: a world dropped under pending calls (tasks nobody keeps, in
+        process, where no socket holds the world) was collected with them, their timeout
+        never raised. A call without a timeout (``inf``) arms none at all (it would stay in
+        the event loop for good)."""
         if deadline != math.inf:
-            self._handle = loop.call_at(deadline, _fire, weakref.ref(self))
+            self._handle = loop.call_at(deadline, _fire, self._ref)
             self._armed = deadline
 
     def unwatch(self, task: asyncio.Task[Any]) -> None:
-        self._calls.pop(task, None)
+        calls = self._calls
+        calls.pop(task, None)
+        if not calls:
+            self._ref.strong = None
         self._expired.discard(task)
 
     def stop(self) -> None:
@@ -241,6 +252,7 @@ class _Watchdog:
             self._handle.cancel()
             self._handle = None
         self._calls.clear()
+        self._ref.strong = None
 
     @property
     def idle(self) -> bool:
@@ -283,11 +295,24 @@ class _Watchdog:
                 earliest = deadline
         if earliest is not None:
             self._arm(loop, earliest)
+        elif not self._calls:
+            self._ref.strong = None
 
 
-def _fire(ref: weakref.ReferenceType[_Watchdog]) -> None:
+class _TimerRef:
+    """A watchdog as its timer refers to it: ``strong`` while it watches calls, else only
+    ``weak``."""
+
+    __slots__ = ("strong", "weak")
+
+    def __init__(self, watchdog: _Watchdog) -> None:
+        self.strong: _Watchdog | None = None
+        self.weak = weakref.ref(watchdog)
+
+
+def _fire(ref: _TimerRef) -> None:
     """A watchdog's timer: its look at the calls, if the watchdog still exists."""
-    watchdog = ref()
+    watchdog = ref.strong or ref.weak()
     if watchdog is not None:
         watchdog._fire()
 

@@ -265,6 +265,36 @@ async def test_a_dropped_subgroup_keeps_no_world_alive(backend: str, timeout: fl
                 if not h.cancelled() and h.when() == float("inf")]
 
 
+@pytest.mark.timeout(30)
+async def test_calls_pending_in_a_dropped_memory_world_still_time_out() -> None:
+    """A memory world dropped without a close while some ranks' collectives wait for a rank
+    that never calls (a notebook cell's background tasks, their references overwritten):
+    nothing but the watchdog's timer refers to them in process, and it refers weakly, so the
+    garbage collector destroyed the tasks ('Task was destroyed but it is pending!'), their
+    done callbacks never ran and their timeout never raised. They raise CollectiveTimeout
+    (and CollectiveError) after the timeout, as on tcp, where the sockets keep a world."""
+    ended: list[BaseException | None] = []
+
+    def on_end(task: asyncio.Task[object]) -> None:
+        ended.append(None if task.cancelled() else task.exception())
+
+    async def start() -> None:
+        comms = await asynccoll.api.local_world(3, "memory", timeout=0.5)
+        for comm in comms[:2]:  # rank 2 never calls
+            asyncio.ensure_future(comm.all_reduce(np.ones(8))).add_done_callback(on_end)
+        await asyncio.sleep(0.05)
+
+    await start()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while len(ended) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        gc.collect()
+    assert len(ended) == 2, f"the pending calls ended {len(ended)} of 2 times: collected"
+    assert all(isinstance(e, asynccoll.CollectiveError) for e in ended), ended
+    assert any(isinstance(e, asynccoll.CollectiveTimeout) for e in ended), ended
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux's /proc")
 @pytest.mark.timeout(60)
 async def test_cancelling_a_tcp_world_as_its_ranks_return_closes_it() -> None:
