@@ -205,8 +205,10 @@ class _Watchdog:
         loop = self._loop
         task = asyncio.current_task(loop) if loop is not None else None
         if task is None:  # first call, or called from another loop than before
-            self._loop = asyncio.get_running_loop()
-            task = asyncio.current_task(self._loop)
+            loop = asyncio.get_running_loop()
+            self._transport.check_loop(loop)
+            self._loop = loop
+            task = asyncio.current_task(loop)
             assert task is not None
         return task
 
@@ -478,6 +480,7 @@ class Communicator:
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
         self._transport.check_usable()
+        self._watchdog.current_task()  # another event loop's transport: raised here
 
     async def _run(self, sig: tuple[Any, ...], body: Callable[[Call], Awaitable[T]], *,
                    agree: bool = False) -> T:
@@ -491,6 +494,8 @@ class Communicator:
         """
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
+        watchdog = self._watchdog
+        task = watchdog.current_task()  # (before the call takes its number: another loop's)
         t = self._transport
         seq = self._seq
         if t._closed or t.mailbox._error is not None:
@@ -503,8 +508,6 @@ class Communicator:
             return await body(call)
         t.mailbox.begin(self._group, seq, sig)
         scope = (self._group, seq)
-        watchdog = self._watchdog
-        task = watchdog.current_task()
         watchdog.watch(task, self._timeout_s)
         try:
             if not agree:

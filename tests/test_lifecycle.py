@@ -265,6 +265,44 @@ async def test_a_dropped_subgroup_keeps_no_world_alive(backend: str, timeout: fl
                 if not h.cancelled() and h.when() == float("inf")]
 
 
+@pytest.mark.timeout(60)
+def test_a_tcp_world_used_from_another_event_loop_says_so() -> None:
+    """A TCP world formed in one event loop and used from a later asyncio.run(): a small
+    all_reduce went through by chance, a larger one raised 'Event loop is closed' from inside
+    the transport (with "coroutine '_dial_and_flush' was never awaited") and broke the world.
+    Every call now raises a RuntimeError saying so before it takes its number, and the world
+    goes on in its own loop; the memory backend, bound to no loop, works in either."""
+    async def use(comms: list[Communicator], n: int) -> list[np.ndarray]:
+        async with asyncio.timeout(10):
+            return await asyncio.gather(*(c.all_reduce(np.ones(n)) for c in comms))
+
+    async def send(comms: list[Communicator]) -> None:
+        async with asyncio.timeout(10):
+            await comms[0].send(np.ones(3), 1)
+
+    home = asyncio.new_event_loop()
+    try:
+        comms = home.run_until_complete(asynccoll.api.local_world(2, "tcp", timeout=5))
+        try:
+            for n in (10, 100_000):
+                with pytest.raises(RuntimeError, match="formed in another event loop"):
+                    asyncio.run(use(comms, n))
+            with pytest.raises(RuntimeError, match="formed in another event loop"):
+                asyncio.run(send(comms))
+            for got in home.run_until_complete(use(comms, 100_000)):
+                assert (got == 2).all()
+        finally:
+            for c in comms:
+                home.run_until_complete(c.close())
+        comms = home.run_until_complete(asynccoll.api.local_world(2, "memory", timeout=5))
+        for got in asyncio.run(use(comms, 100_000)):
+            assert (got == 2).all()
+        for c in comms:
+            home.run_until_complete(c.close())
+    finally:
+        home.close()
+
+
 @pytest.mark.timeout(30)
 async def test_calls_pending_in_a_dropped_memory_world_still_time_out() -> None:
     """A memory world dropped without a close while some ranks' collectives wait for a rank

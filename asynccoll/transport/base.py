@@ -734,6 +734,12 @@ class Transport(abc.ABC):
         yet (frames waiting to be written); 0 where a post hands everything over at once."""
         return 0
 
+    def check_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Raise ``RuntimeError`` if this transport cannot run in ``loop`` (its connections
+        belong to another event loop); ``loop`` runs the calls from now on. Most transports
+        run in any loop."""
+        return None
+
     def check_sendable(self) -> None:
         """Raise if frames can no longer be sent (closed, or the whole world is broken)."""
         mailbox = self.mailbox

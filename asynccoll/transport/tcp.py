@@ -882,6 +882,17 @@ class TcpTransport(Transport):
         conn.buffer_updated(n)
         return True
 
+    def check_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Its connections are the loop's that formed the world: used from a later
+        ``asyncio.run()``, small calls went through by chance and larger ones raised 'Event
+        loop is closed' from inside the transport."""
+        if loop is not self.loop:
+            state = "closed now" if self.loop.is_closed() else "still open"
+            raise RuntimeError(
+                f"this tcp communicator (world rank {self.rank}) was formed in another event "
+                f"loop ({state}: every asyncio.run() runs a loop of its own), and its "
+                f"connections belong to that loop; form the world in the loop that uses it")
+
     def unsent_bytes(self, dst: int | None = None) -> int:
         """Bytes the event loop still has to write (its buffers), and those queued behind a
         dial, to ``dst`` or to anyone."""
