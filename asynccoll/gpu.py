@@ -114,7 +114,7 @@ class DelegatingCommunicator(Communicator):
 
     @timeout.setter
     def timeout(self, value: float) -> None:
-        self._inner.timeout = float(value)
+        self._inner.timeout = value  # (checked there, as on every backend)
 
     @property  # type: ignore[override]
     def tuning(self) -> Tuning:

@@ -624,3 +624,18 @@ def test_a_timeout_set_after_init_covers_send_and_recv(fake: Any) -> None:
         return is_device_array(got), got.get().tolist()
 
     assert run_nccl(fn, world_size=2, timeout=1.0)[0] == (True, [0.0, 1.0, 2.0])
+
+
+def test_a_bad_timeout_set_after_init_is_refused_as_on_every_backend(fake: Any) -> None:
+    """``comm.timeout = "5"`` was taken (as 5.0) on nccl and with host staging, and ``None``
+    raised float()'s "argument must be a string or a real number": the setter converted the
+    value before the inner communicator could check it. Now the same TypeError/ValueError
+    naming the timeout as on memory and tcp, and the send/recv flags keep the old one."""
+    async def fn(comm: Any) -> Any:
+        for bad, error in (("5", TypeError), (None, TypeError), (-1.0, ValueError)):
+            with pytest.raises(error, match="timeout must be"):
+                comm.timeout = bad
+        comm.timeout = np.float32(2.5)
+        return comm.timeout, comm._flags.timeout, type(comm._flags.timeout).__name__
+
+    assert run_nccl(fn, world_size=2) == [(2.5, 2.5, "float")] * 2

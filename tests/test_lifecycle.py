@@ -156,7 +156,9 @@ async def test_a_bad_timeout_is_refused(backend: str, timeout: object) -> None:
 
 
 @pytest.mark.parametrize("backend", ["memory", "tcp"])
-async def test_setting_a_bad_timeout_is_refused_at_once(backend: str) -> None:
+@pytest.mark.parametrize("gpu_staging", [False, True])
+async def test_setting_a_bad_timeout_is_refused_at_once(backend: str, gpu_staging: bool
+                                                        ) -> None:
     """``comm.timeout = None`` (meaning "no timeout") or ``"5"`` was taken, and every later
     call raised "unsupported operand type(s) for /: 'NoneType' and 'int'"; ``-1`` and NaN
     were taken silently. The attribute is checked as ``run_local(timeout=...)`` is: the bad
@@ -177,7 +179,9 @@ async def test_setting_a_bad_timeout_is_refused_at_once(backend: str) -> None:
         await sub.barrier()
         return float((await comm.all_reduce(np.ones(1)))[0])
 
-    assert await asynccoll.run_local(fn, 2, backend, timeout=5.0) == [2.0, 2.0]
+    # (gpu_staging: the wrapper's setter converted with float() first, so "5" was taken)
+    assert await asynccoll.run_local(fn, 2, backend, timeout=5.0,
+                                     gpu_staging=gpu_staging) == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("timeout", [float("inf"), 1e6])

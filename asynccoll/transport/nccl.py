@@ -294,7 +294,9 @@ class NcclCommunicator(DelegatingCommunicator):
     @timeout.setter
     def timeout(self, value: float) -> None:
         # the device flags of send/recv travel through ``_flags``: it keeps the same timeout
-        self._inner.timeout = self._flags.timeout = float(value)
+        # (the inner communicator checks the value, as on every backend)
+        self._inner.timeout = value
+        self._flags.timeout = self._inner.timeout
 
     @property
     def nccl_comm(self) -> Any:
