@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ._aio import uncancelled
-from .collectives import Communicator, check_timeout
+from .collectives import Communicator, check_int, check_timeout
 from .errors import CollectiveError
 from .tuning import Tuning
 
@@ -57,7 +57,8 @@ async def local_world(world_size: int, backend: str = "memory", *, timeout: floa
     Option ``gpu_staging=True`` (memory and tcp): the communicators also take CuPy arrays,
     staged through pinned host memory.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    world_size = check_int(world_size, "world_size")  # (as init's: NumPy's integers too)
+    if world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     check_timeout(timeout)  # before anything is opened
     gpu_staging = bool(options.pop("gpu_staging", False))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import operator
 import re
 import weakref
 from collections import deque
@@ -154,6 +155,17 @@ def check_timeout(timeout: object) -> float:
     if not float(timeout) >= 0:  # NaN too
         raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
     return float(timeout)
+
+
+def check_int(value: object, name: str) -> int:
+    """``value`` as an ``int``: Python's and NumPy's integers are ones; a bool, a float or a
+    string is a ``TypeError`` naming ``name`` (for the arguments of ``init``, ``run_local``)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {value!r}")
 
 
 #: how an error relayed from another rank (an ABORT frame) begins

@@ -747,6 +747,23 @@ async def test_init_mpi_refuses_a_rank_or_size_that_is_no_int(given: dict[str, A
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+async def test_run_local_takes_world_size_as_init_does(backend: str) -> None:
+    """``run_local(fn, np.int64(2))`` said "world_size must be a positive int, got
+    np.int64(2)" and ``run_local(fn, "2")`` raised ``ValueError``, while ``init`` takes NumPy
+    integers and raises ``TypeError`` for what is no int: the same check now (one helper)."""
+    async def fn(comm: Communicator) -> int:
+        return comm.world_size
+
+    assert await asynccoll.run_local(fn, np.int64(2), backend, timeout=5.0) == [2, 2]
+    for bad in ("2", True, 2.0):
+        with pytest.raises(TypeError) as info:
+            await asynccoll.run_local(fn, bad, backend)  # type: ignore[arg-type]
+        assert str(info.value) == f"world_size must be an int, got {bad!r}"
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        await asynccoll.run_local(fn, 0, backend)
+
+
 def test_abort_with_a_bool_for_the_lost_rank_names_no_rank() -> None:
     from asynccoll.transport.base import error_from_abort
     from asynccoll.wire import Frame, FrameHeader, FrameKind

@@ -60,6 +60,7 @@ from ..collectives import (
     _pack_object,
     _sig_array,
     _unpack_object,
+    check_int,
     check_timeout,
 )
 from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
@@ -960,12 +961,10 @@ async def mpi_init(*, rank: int | None = None, world_size: int | None = None,
             the same thing (see the module docstring).
     """
     timeout = check_timeout(timeout)  # before anything is opened
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        # (compared with MPI's below: rank="0" was "rank=0 was given but MPI says this
-        # process is rank 0", rank=True passed for rank 1)
-        if value is not None and (isinstance(value, bool)
-                                  or not isinstance(value, int | np.integer)):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+    # (compared with MPI's below: rank="0" was "rank=0 was given but MPI says this process is
+    # rank 0", rank=True passed for rank 1)
+    rank = None if rank is None else check_int(rank, "rank")
+    world_size = None if world_size is None else check_int(world_size, "world_size")
     mpi = import_mpi()
     base = mpi.COMM_WORLD if comm is None else comm
     got_rank, got_size = int(base.Get_rank()), int(base.Get_size())

@@ -14,14 +14,13 @@ import asyncio
 import errno
 import hashlib
 import ipaddress
-import operator
 import os
 import socket
 from typing import Any
 
 from .._aio import is_loopback, uncancelled
 from ..algorithms import power_of_two_fold
-from ..collectives import Communicator, check_timeout
+from ..collectives import Communicator, check_int, check_timeout
 from ..errors import CollectiveError, RendezvousError
 from ..tuning import Tuning
 from ..wire import DEFAULT_MAX_PAYLOAD_BYTES
@@ -66,12 +65,7 @@ def _env_int(value: int | None, *names: str, what: str, valid: range | None = No
     (a NumPy integer is one; a bool, a float or a string is not), ``ValueError`` naming the
     variable (or ``what``) when it is not an integer, or not in ``valid``."""
     if value is not None:
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            value = operator.index(value)
-        except TypeError:
-            raise TypeError(f"{what.replace(' ', '_')} must be an int, got {value!r}") from None
+        value = check_int(value, what.replace(" ", "_"))
         if valid is not None and value not in valid:
             raise ValueError(f"{what} {value} is out of range ({valid.start}-{valid.stop - 1})")
         return value
