@@ -1023,6 +1023,10 @@ class Communicator:
         """Close the communicator (and, for a world communicator, its connections). Idempotent."""
         if self._closed:
             return
+        if self._owns_transport:
+            # another event loop's connections cannot be closed from this one ('Event loop is
+            # closed' from inside the transport, after an ``async with`` body said this)
+            self._transport.check_loop(asyncio.get_running_loop())
         self._closed = True
         if self._owns_transport:
             self._watchdog.stop()  # (its calls in flight fail as the transport closes)

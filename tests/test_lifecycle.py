@@ -293,6 +293,10 @@ def test_a_tcp_world_used_from_another_event_loop_says_so() -> None:
                     asyncio.run(use(comms, n))
             with pytest.raises(RuntimeError, match="formed in another event loop"):
                 asyncio.run(send(comms))
+            # closing it there ('async with comm:' in the later asyncio.run) said 'Event loop
+            # is closed' from inside the transport, and left the world half closed
+            with pytest.raises(RuntimeError, match="formed in another event loop"):
+                asyncio.run(comms[0].close())
             for got in home.run_until_complete(use(comms, 100_000)):
                 assert (got == 2).all()
         finally:
