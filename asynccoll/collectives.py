@@ -181,11 +181,12 @@ class _Watchdog:
 
     Progress is bytes moving on the transport: bytes received (``Transport.bytes_received``;
     for a point-to-point call, from its peer only, ``received_from``), or a backlog of bytes
-    to write (``unsent_bytes``) that changed. A call is looked at every ``timeout /
-    CHECKS`` while it runs (the counters are read then, and once when it starts), and
-    cancelled once nothing moved for ``timeout``: a transfer that keeps moving is never cut
-    short, and one that stalls stops between ``timeout`` and ``timeout * (1 + 1 / CHECKS)``
-    after its last byte. Bytes moved for other calls of the same transport count too.
+    to write (``outgoing_bytes``: the event loop's and the kernel's) that changed. A call is
+    looked at every ``timeout / CHECKS`` while it runs (the counters are read then, and once
+    when it starts), and cancelled once nothing moved for ``timeout``: a transfer that keeps
+    moving is never cut short, and one that stalls stops between ``timeout`` and
+    ``timeout * (1 + 1 / CHECKS)`` after its last byte. Bytes moved for other calls of the
+    same transport count too.
     """
 
     #: looks per timeout at a running call
@@ -295,7 +296,7 @@ class _Watchdog:
                     call[3] = received
                     call[5] = since = now
                 else:
-                    unsent = t.unsent_bytes(None if peer < 0 else peer)
+                    unsent = t.outgoing_bytes(None if peer < 0 else peer)
                     if unsent != backlog and (unsent or backlog > 0):  # bytes went out
                         call[4] = unsent
                         call[5] = since = now

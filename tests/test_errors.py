@@ -411,6 +411,9 @@ async def test_watchdog_waits_while_bytes_move_and_fires_once_they_stop() -> Non
         def unsent_bytes(self, dst: int | None = None) -> int:
             return 0
 
+        def outgoing_bytes(self, dst: int | None = None) -> int:
+            return 0
+
         def check_loop(self, loop: asyncio.AbstractEventLoop) -> None:
             pass
 

@@ -1063,6 +1063,70 @@ async def test_a_returned_send_leaves_the_array_to_the_caller(gather_writes: str
     assert results[1] == 0, f"{results[1]} of {n} elements changed after send returned"
 
 
+@pytest.mark.timeout(60)
+async def test_bytes_draining_from_the_kernels_send_buffer_are_progress() -> None:
+    """On a slow link most of a large transfer waits in the sender's kernel send buffer,
+    not in the event loop: those bytes going out are progress (docs/concepts.md,
+    "Timeouts"). A send to a peer that reads slowly, and a recv behind it (whose reply
+    waits for that data), timed out while the data still moved: the watchdog saw only the
+    event loop's buffer, which changes in steps of half a socket buffer, and nothing once
+    the tail sat in the kernel. Here rank 1 reads at about 2 MB/s (a link of ~20 Mbit/s)."""
+    async with tcp_world(2) as (_, (c0, c1)):
+        data = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+        got0 = await asyncio.gather(c0.send(data, dst=1), c1.recv(src=0))  # all connections
+        np.testing.assert_array_equal(got0[1], data)
+        t0, t1 = c0.transport, c1.transport
+        assert isinstance(t0, TcpTransport) and isinstance(t1, TcpTransport)
+        for conn in t0._open:
+            assert conn.transport is not None
+            if conn.peer == 1:
+                conn.transport.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        slow = [conn for conn in t1._open if conn.peer == 0]
+        raws = [conn.raw for conn in slow]
+        for conn in slow:
+            assert conn.transport is not None
+            conn.raw = None  # (no polling receive reads around the throttle)
+            conn.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+
+        async def trickle() -> None:  # one read of at most the receive buffer per 50 ms
+            while True:
+                for conn in slow:
+                    conn.transport.pause_reading()  # type: ignore[union-attr]
+                await asyncio.sleep(0.05)
+                for conn in slow:
+                    conn.transport.resume_reading()  # type: ignore[union-attr]
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+
+        async def rank0() -> float:
+            start = time.monotonic()
+            await c0.send(data * 2, dst=1)
+            await c0.recv(src=1)
+            return time.monotonic() - start
+
+        async def rank1() -> Any:
+            got = await c1.recv(src=0)
+            await c1.send(np.zeros(1, np.float32), dst=0)
+            return got
+
+        c0.timeout = c1.timeout = 0.25
+        throttle = asyncio.ensure_future(trickle())
+        try:
+            elapsed, got = await asyncio.gather(rank0(), rank1())
+        finally:
+            throttle.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await throttle
+            for conn, raw in zip(slow, raws, strict=True):
+                conn.raw = raw
+                if conn.transport is not None:
+                    conn.transport.resume_reading()
+        np.testing.assert_array_equal(got, data * 2)
+        assert elapsed > 4 * c0.timeout, f"the link was not slow enough ({elapsed:.2f} s)"
+
+
 # ------------------------------------------------------------------ a peer breaking the rules
 
 def _spoofed_p2p() -> bytes:

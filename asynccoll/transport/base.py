@@ -734,6 +734,11 @@ class Transport(abc.ABC):
         yet (frames waiting to be written); 0 where a post hands everything over at once."""
         return 0
 
+    def outgoing_bytes(self, dst: int | None = None) -> int:
+        """``unsent_bytes`` and what else of it is still on its way out (tcp: the kernel's
+        send queues): how the watchdog tells a slow transfer from one that stalled."""
+        return self.unsent_bytes(dst)
+
     def check_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Raise ``RuntimeError`` if this transport cannot run in ``loop`` (its connections
         belong to another event loop); ``loop`` runs the calls from now on. Most transports
