@@ -458,6 +458,27 @@ async def test_a_token_with_surrogate_escapes_works_end_to_end(logs: LogWatch) -
         RendezvousServer(token="tok-\ud800")
 
 
+async def test_a_client_token_that_cannot_be_a_key_is_refused_before_connecting(
+        server: RendezvousServer, logs: LogWatch) -> None:
+    """A client given a str token no environment gives (a lone surrogate) or one of another
+    type connected first and raised only in the handshake: the server logged a WARNING for a
+    client that 'closed the connection during the handshake', and with no server listening
+    the error was 'could not connect', not the token. It is refused before any connection."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]  # (closed at once: nothing listens there)
+    for bad, error in (("tok-\ud800", ValueError), (12345, TypeError)):
+        with pytest.raises(error, match="token"):
+            await RendezvousClient.connect("127.0.0.1", nobody, token=bad,  # type: ignore
+                                           timeout=2)
+        with pytest.raises(error, match="token"):
+            await connect(server, token=bad)
+    async with await connect(server) as c:  # (after the server handled what it was sent)
+        await c.set("k", b"v")
+        assert await c.get("k") == b"v"
+    assert "dropped connection" not in logs.text, logs.text
+
+
 async def test_job_mismatch_cannot_connect() -> None:
     async with RendezvousServer(token=TOKEN, job="job-1") as srv:
         with pytest.raises(AuthenticationError, match="job mismatch"):

@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 
 from ..errors import AuthenticationError, ProtocolError, RendezvousError
-from ..handshake import client_handshake, read_frame, write_frame
+from ..handshake import client_handshake, normalize_token, read_frame, write_frame
 from ..wire import Frame, FrameHeader, FrameKind
 from ._common import (
     _I64_MAX,
@@ -110,12 +110,14 @@ class RendezvousClient:
             AuthenticationError: the token (or job id) does not match the server's.
             RendezvousError: the server could not be reached, or the handshake failed, within
                 ``timeout``.
-            TypeError, ValueError: ``rank`` or ``max_value_bytes`` is not a non-negative int.
+            TypeError, ValueError: ``rank`` or ``max_value_bytes`` is not a non-negative int,
+                or ``token`` cannot be a key (``asynccoll.handshake.normalize_token``).
         """
         timeout = _check_timeout(timeout, 30.0)
         if rank is not None:
             _check_int(rank, "rank", 0, _U32)
         _check_int(max_value_bytes, "max_value_bytes", 0, 1 << 62)
+        normalize_token(token)  # (one that cannot be a key: before the server sees a client)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         address = f"{host}:{port}"
