@@ -679,8 +679,9 @@ async def end_barrier(call: Call, step0: int, first: asyncio.Future[None] | None
         k, dist = k + 1, dist * 2
         if dist >= w:
             return
-        pending = t.post(ranks[(r + dist) % w], heads.data_head(
-            _DATA, group, seq, step0 + k, 0, src, _TOKEN_CODE, _TOKEN.shape, sig, 0), _TOKEN_VIEW)
+        pending = call.guard(t.post(ranks[(r + dist) % w], heads.data_head(
+            _DATA, group, seq, step0 + k, 0, src, _TOKEN_CODE, _TOKEN.shape, sig, 0),
+            _TOKEN_VIEW))
         call.hand_over(0)
 
 

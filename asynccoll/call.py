@@ -108,7 +108,14 @@ class Call:
         """Start sending ``arr`` as ``step`` to group rank ``peer``; see Transport.post."""
         head = self.t.heads.data_head(_DATA, self.group, self.seq, step, 0, self.src,
                                       dtype_code(arr.dtype), arr.shape, self.sig, arr.nbytes)
-        return self.t.post(self.ranks[peer], head, bytes_view(arr))
+        return self.guard(self.t.post(self.ranks[peer], head, bytes_view(arr)))
+
+    def guard(self, pending: asyncio.Future[None] | None) -> asyncio.Future[None] | None:
+        """``pending`` (a posted send), or where the transport ``guards_sends``, a future
+        that also fails once this collective is aborted (``Mailbox.guard``)."""
+        if pending is None or pending.done() or not self.t.guards_sends:
+            return pending
+        return self.t.mailbox.guard(pending, self.group, self.seq)
 
     async def send(self, peer: int, step: int, arr: np.ndarray) -> None:
         pending = self.post(peer, step, arr)
@@ -283,9 +290,9 @@ class Call:
                                ) -> list[asyncio.Future[None] | None]:
         """Transport.compute_and_post for ``nbytes`` of work in all, inline when small."""
         if nbytes < self.tuning.offload_bytes:
-            return compute_and_post_inline(self.t, work)
+            return [self.guard(p) for p in compute_and_post_inline(self.t, work)]
         chunk = max(itemsize, self.tuning.reduce_chunk_bytes // itemsize * itemsize)
-        return await self.t.compute_and_post(work, chunk)
+        return [self.guard(p) for p in await self.t.compute_and_post(work, chunk)]
 
 
 #: direct reads of the peer's socket between event-loop turns while a receive polls

@@ -155,6 +155,8 @@ class Mailbox:
         self._borrowed: dict[Key, asyncio.Future[None]] = {}
         # early payloads a borrowing receive holds, to be reclaimed when it releases them
         self._kept: dict[Key, Any] = {}
+        # futures handed out by ``guard``, per the collective (group, seq) they wait in
+        self._guarded: dict[asyncio.Future[None], tuple[int, int]] = {}
         #: called with an early frame's payload once nothing refers to it any more (it was
         #: copied to the receive's buffer, or a borrowing receive released it): a transport
         #: that reads early payloads into pooled buffers takes them back (ScratchPool.reclaim)
@@ -405,7 +407,36 @@ class Mailbox:
         # ... but an early payload it may still read is not reused: left to the collector
         for key in [k for k in self._kept if not self._key_allowed(k)]:
             del self._kept[key]
+        for fut in [f for f, (g, s) in self._guarded.items() if not self.allowed(g, s)]:
+            del self._guarded[fut]
+            _fail_future(fut, exc)
         return True
+
+    def guard(self, sent: asyncio.Future[None], group: int, seq: int) -> asyncio.Future[None]:
+        """A future that completes as ``sent`` (a posted send, see Transport.post) does, or
+        fails with the world's error as soon as collective ``(group, seq)`` may no longer
+        run: a send that waits on a peer which stopped reading (a frozen process: its socket
+        stays open) must not hold the collective once another rank aborted it."""
+        out = self._future()
+        if not self.allowed(group, seq):
+            assert self._error is not None
+            _fail_future(out, self._error)
+            return out
+        self._guarded[out] = (group, seq)
+
+        def settled(fut: asyncio.Future[None]) -> None:
+            self._guarded.pop(out, None)
+            if out.done():
+                return
+            if fut.cancelled():
+                out.cancel()
+            elif (exc := fut.exception()) is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(None)
+
+        sent.add_done_callback(settled)
+        return out
 
     def allowed(self, group: int, seq: int) -> bool:
         """Whether collective ``(group, seq)`` may still run (see the class docstring)."""
@@ -559,6 +590,10 @@ class Transport(abc.ABC):
         #: whether ``take_direct`` reads awaited frames off the wire itself (tcp); elsewhere
         #: it posts the receives
         self.reads_direct = False
+        #: whether a collective stops waiting for its posted sends once the world failed
+        #: for it (``Mailbox.guard``): where a send waits on a peer that may have stopped
+        #: reading (tcp; not where the payload is lent to a receiver in this process)
+        self.guards_sends = False
         #: encoded DATA headers of recurring collectives (see HeadCache)
         self.heads = HeadCache()
         #: scratch buffers of collectives, kept between calls (see asynccoll.scratch)

@@ -692,6 +692,7 @@ class TcpTransport(Transport):
         self.polls = True
         self.reduces_on_read = True
         self.reads_direct = True
+        self.guards_sends = True  # a frozen peer never drains: an ABORT must end the wait
         per_core = _ranks_per_core()
         self.yields = per_core > 1
         self.spins = 1 < per_core <= 2
