@@ -17,7 +17,6 @@ A world is an object (``MemoryWorld``); two worlds in one process share nothing.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import threading
@@ -63,15 +62,18 @@ def _cores() -> int:
 class _Job:
     """One ``compute_and_post`` call's work: ``left`` chunks to go, then ``future`` is set."""
 
-    __slots__ = ("busy", "cancelled", "claims", "context", "error", "future", "left", "loop")
+    __slots__ = ("busy", "cancelled", "claims", "error", "errstate", "future", "left", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, left: int) -> None:
         self.loop = loop
-        #: the caller's context: its chunks run in copies of it, so that NumPy's error state
-        #: (``np.seterr``, ``np.errstate``: context variables) is the caller's, as when a
-        #: reduction runs in the event loop's thread (a worker thread's own context has
-        #: NumPy's defaults: an overflow under ``over="raise"`` passed as inf)
-        self.context = contextvars.copy_context()
+        #: the caller's NumPy error state (``np.seterr``, ``np.errstate``, ``np.seterrcall``):
+        #: its chunks run under it, as when a reduction runs in the event loop's thread (a
+        #: worker thread has NumPy's defaults: an overflow under ``over="raise"`` passed as
+        #: inf). The state itself, not a copy of the context: NumPy 2 keeps it in a context
+        #: variable, NumPy 1 per thread
+        self.errstate: dict[str, Any] = dict(np.geterr())
+        if (call := np.geterrcall()) is not None:
+            self.errstate["call"] = call
         self.future: asyncio.Future[None] = loop.create_future()
         self.left = left
         self.error: BaseException | None = None
@@ -84,8 +86,8 @@ class _Job:
         """Run one of the job's chunks, unless the job failed or was given up."""
         if self.error is None and not self.cancelled:
             try:
-                # a copy: one context cannot be entered by two threads at once
-                self.context.copy().run(unit)
+                with np.errstate(**self.errstate):
+                    unit()
             except BaseException as exc:  # handed to the job's caller
                 self.error = exc
 
