@@ -404,6 +404,32 @@ async def test_two_processes_with_one_rank_number_are_told_apart() -> None:
         await server.close()
 
 
+async def test_a_rank_whose_rendezvous_host_gave_up_says_what_it_waited_for() -> None:
+    """Rank 2 never comes (a process frozen while the world forms). Rank 0, hosting the
+    rendezvous, joined first, so its roster wait ends first: it raises 'never joined: rank
+    2' and closes the rendezvous. Rank 1, still waiting there, raised only 'the rendezvous
+    server at H:P closed the connection', naming neither what it waited for nor why."""
+    port = free_port()
+
+    async def rank(r: int, delay: float) -> Communicator:
+        await asyncio.sleep(delay)
+        return await tcp_init(rank=r, world_size=3, addr="127.0.0.1", port=port, token=TOKEN,
+                              timeout=1.0)
+
+    async with asyncio.timeout(20):
+        results = await asyncio.gather(rank(0, 0.0), rank(1, 0.3), return_exceptions=True)
+    for c in results:
+        if isinstance(c, Communicator):
+            await c.close()
+    host, other = results
+    assert isinstance(host, RendezvousError), results
+    assert "never joined: rank 2" in str(host), host
+    assert isinstance(other, RendezvousError), results
+    message = str(other)
+    assert "rank 1 waited for 3 ranks to join the roster" in message, message
+    assert "rank 0 gives up waiting: its error names the ranks that never joined" in message
+
+
 async def test_rank_0_hosting_on_a_port_in_use_names_the_rendezvous() -> None:
     """MASTER_PORT taken by another program: rank 0 raised asyncio's 'error while attempting
     to bind on address ('127.0.0.1', P): address already in use', naming neither the

@@ -159,7 +159,12 @@ async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: in
     try:
         members = (await client.roster(timeout=0))["members"]
     except (RendezvousError, OSError):
-        return exc  # the rendezvous itself is gone: nothing more to say
+        # the rendezvous itself is gone: rank 0, hosting it, gave up before this rank (it
+        # joined first, so its wait ended first) and closed it, or it died or was stopped
+        return RendezvousError(
+            f"{exc} (while rank {rank} waited for {world_size} ranks to join the roster; a "
+            f"rendezvous that rank 0 hosts closes when rank 0 gives up waiting: its error "
+            f"names the ranks that never joined)")
     try:
         _check_roster(members, rank, world_size, mine)
     except CollectiveError as inconsistent:
