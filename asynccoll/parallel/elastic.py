@@ -63,7 +63,7 @@ class ElasticTrainer:
         async with await ElasticGroup.connect() as group:
             trainer = ElasticTrainer(group, build, commit_every=10)
             await trainer.start()
-            while trainer.step < total:
+            while trainer.step < total and not trainer.left:  # (left: request_leave)
                 await trainer.run_step(lambda dist, step: dist.step(batch(step, dist.comm)))
     """
 
