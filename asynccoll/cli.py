@@ -13,7 +13,10 @@ import select
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .rendezvous.store import Store
 
 log = logging.getLogger("asynccoll.launcher")
 
@@ -195,7 +198,8 @@ class _Launcher:
         self.succeeded = 0
         #: elastic: processes that exited after leaving the job (not counted as succeeded)
         self.left = 0
-        self.store: Any = None
+        #: the rendezvous server's store once it runs (elastic: where leavers say so)
+        self.store: Store | None = None
         self.watchers: list[asyncio.Future[None]] = []
         #: per process (in the order of ``procs``), the reading of its stdout and stderr,
         #: which children it started may hold open after it has gone
