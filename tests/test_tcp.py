@@ -25,7 +25,12 @@ from conftest import LogWatch, settle_until
 
 import asynccoll
 from asynccoll import CollectiveError, CollectiveTimeout, Communicator, PeerLostError
-from asynccoll.errors import AuthenticationError, ProtocolError, RendezvousError
+from asynccoll.errors import (
+    AuthenticationError,
+    CommunicatorClosedError,
+    ProtocolError,
+    RendezvousError,
+)
 from asynccoll.handshake import (
     ClientHandshake,
     client_handshake,
@@ -428,6 +433,25 @@ async def test_a_rank_whose_rendezvous_host_gave_up_says_what_it_waited_for() ->
     message = str(other)
     assert "rank 1 waited for 3 ranks to join the roster" in message, message
     assert "rank 0 gives up waiting: its error names the ranks that never joined" in message
+
+
+async def test_close_fails_a_send_waiting_for_a_connection_to_a_frozen_peer() -> None:
+    """Rank 1 sends rank 0 a large array, which needs a connection of its own; rank 0 is
+    frozen (SIGSTOP: its kernel accepts the connection, nobody answers the handshake; here a
+    socket that listens and never reads). Rank 1 closes its communicator meanwhile: the close
+    cancelled the dial and the send waited for ever (the watchdog stops with the close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        async with tcp_world(2, timeout=30.0) as (_, (_c0, c1)):
+            c1.transport.addresses[0] = mute.getsockname()  # type: ignore[attr-defined]
+            send = asyncio.ensure_future(c1.send(np.ones(1 << 20, np.float32), dst=0))
+            await asyncio.sleep(0.2)
+            assert not send.done()
+            await c1.close()
+            async with asyncio.timeout(5):
+                with pytest.raises(CommunicatorClosedError):
+                    await send
 
 
 async def test_rank_0_hosting_on_a_port_in_use_names_the_rendezvous() -> None:

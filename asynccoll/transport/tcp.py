@@ -858,6 +858,15 @@ class TcpTransport(Transport):
     async def _dial_and_flush(self, dst: int) -> None:
         try:
             conn = await self._connection(dst)
+        except asyncio.CancelledError:
+            # close() cancels the dial (one to a frozen peer waits for its handshake): the
+            # sends queued behind it fail, or they would wait for ever (no watchdog then)
+            closed = CommunicatorClosedError("the communicator was closed")
+            for _, _, fut in self._queued.pop(dst, []):
+                if not fut.done():
+                    fut.set_exception(closed)
+                    fut.exception()
+            raise
         except CollectiveError as exc:
             for _, _, fut in self._queued.pop(dst, []):
                 if not fut.done():
