@@ -934,9 +934,11 @@ class TcpTransport(Transport):
 
     def outgoing_bytes(self, dst: int | None = None) -> int:
         """``unsent_bytes`` and the bytes the kernel still holds for the connections (to
-        ``dst``): they go out at the link's pace, which the watchdog counts as progress."""
+        ``dst``): they go out at the link's pace, which the watchdog counts as progress (on
+        authenticated connections only: a stranger reading our CHALLENGE is none)."""
         return self.unsent_bytes(dst) + sum(
-            c.in_kernel() for c in self._open if dst is None or c.peer == dst)
+            c.in_kernel() for c in self._open
+            if c.authenticated and (dst is None or c.peer == dst))
 
     def flushed(self) -> bool:
         # O(1): the connections count themselves in and out as the event loop pauses and
