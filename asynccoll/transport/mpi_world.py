@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import math
 import time
 import weakref
 from typing import Any
@@ -112,6 +113,27 @@ EXIT_SETTLE_STALL = 0.5
 EXIT_SETTLE_LIMIT = 10.0
 
 
+def _completed(mpi: Any, groups: list[list[Any]], *, limit: float,
+               stall: float = math.inf) -> list[bool]:
+    """Test the request ``groups`` until all completed, ``limit`` seconds passed or none
+    completed for ``stall`` seconds (each at least once); which of them completed (none that
+    were pending when MPI itself failed or was finalized)."""
+    done = [False] * len(groups)
+    start = last = time.monotonic()
+    try:
+        while True:
+            for i, reqs in enumerate(groups):
+                if not done[i] and mpi.Request.Testall(reqs):
+                    done[i], last = True, time.monotonic()
+            now = time.monotonic()
+            if all(done) or now - start >= limit or now - last >= stall:
+                return done
+            time.sleep(0.0005)
+    except Exception as exc:  # MPI finalized or failed: what is not done stays pending
+        log.debug("testing pending MPI requests failed: %s", exc)
+        return done
+
+
 def _settle_at_exit() -> None:
     """Let the abandoned requests that can still complete do so before ``MPI_Finalize``.
 
@@ -126,28 +148,12 @@ def _settle_at_exit() -> None:
     import sys
 
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not _ABANDONED:
+    if mpi is None or not _ABANDONED or not mpi.Is_initialized() or mpi.Is_finalized():
         return
-    try:
-        if not mpi.Is_initialized() or mpi.Is_finalized():
-            return
-        test = mpi.Request.Testall
-        pending = [reqs for reqs, _ in _ABANDONED if reqs]
-        start = last = time.monotonic()
-        while pending:
-            left = [reqs for reqs in pending if not test(reqs)]
-            now = time.monotonic()
-            if len(left) < len(pending):
-                last = now
-            pending = left
-            if not pending or now - last >= EXIT_SETTLE_STALL or now - start >= EXIT_SETTLE_LIMIT:
-                break
-            time.sleep(0.0005)
-    except Exception as exc:  # MPI failed: MPI_Finalize does what it can
-        log.debug("settling abandoned requests at exit failed: %s", exc)
-        return
-    if pending:
-        log.debug("%d abandoned request group(s) still pending at exit", len(pending))
+    done = _completed(mpi, [reqs for reqs, _ in _ABANDONED], limit=EXIT_SETTLE_LIMIT,
+                      stall=EXIT_SETTLE_STALL)
+    if not all(done):
+        log.debug("%d abandoned request group(s) still pending at exit", done.count(False))
 
 
 # the list is never freed, so this runs only as the interpreter ends: as a weakref finalizer
@@ -166,19 +172,8 @@ def keep_pending(mpi: Any, items: list[tuple[list[Any], tuple[Any, ...]]], *,
     matched: their sender is sending, so they end). A process that ended while such a
     receive was still reading left its sender's MPI_Finalize hanging on the closed
     connection ("writev failed: Broken pipe"), about one run in twelve."""
-    deadline = time.monotonic() + settle
-    for reqs, keep in items:
-        while True:
-            try:
-                done = bool(mpi.Request.Testall(reqs))
-            except Exception:  # MPI finalized or failed: keep them, whatever their state
-                done = False
-                break
-            if done or time.monotonic() >= deadline:
-                break
-            time.sleep(0.0005)
-        if not done:
-            _ABANDONED.append((reqs, keep))
+    done = _completed(mpi, [reqs for reqs, _ in items], limit=settle)
+    _ABANDONED.extend(item for item, ok in zip(items, done, strict=True) if not ok)
     items.clear()
 
 
