@@ -56,6 +56,7 @@ import numpy as np
 
 from .collectives import Communicator
 from .errors import RendezvousError
+from .rendezvous._common import MAX_WAIT_TIMEOUT
 from .tuning import Tuning
 
 log = logging.getLogger("asynccoll.elastic")
@@ -69,6 +70,14 @@ MAX_FRESH = 3
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value else None
+
+
+def _check_timeout(timeout: object) -> float:
+    """``timeout`` as a float: a number > 0, ``math.inf`` for none."""
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or not timeout > 0):   # (NaN fails this too)
+        raise ValueError(f"timeout must be a number > 0 (math.inf for none), got {timeout!r}")
+    return float(timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +101,7 @@ class ElasticGroup:
         settle: seconds without a new arrival after which a generation with at least
             ``min_nodes`` members closes (a generation with ``max_nodes`` closes at once).
         timeout: bound of every wait: forming a generation, and the collectives of its
-            communicator.
+            communicator (seconds > 0; ``math.inf`` for none).
     """
 
     def __init__(self, client: Any, *, min_nodes: int, max_nodes: int, settle: float,
@@ -102,6 +111,7 @@ class ElasticGroup:
             raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
         if settle < 0:
             raise ValueError(f"settle must be >= 0, got {settle}")
+        timeout = _check_timeout(timeout)
         self.client = client
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.settle, self.timeout = settle, timeout
@@ -152,8 +162,11 @@ class ElasticGroup:
             raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
         if settle < 0:
             raise ValueError(f"settle must be >= 0, got {settle}")
+        timeout = _check_timeout(timeout)
         token = token if token is not None else os.environ.get("ASYNCCOLL_TOKEN")
-        client = await RendezvousClient.connect(host, int(port_s), token=token, timeout=timeout)
+        # (the rendezvous protocol bounds one request's wait; our own waits have no bound)
+        client = await RendezvousClient.connect(host, int(port_s), token=token,
+                                                timeout=min(timeout, MAX_WAIT_TIMEOUT))
         return cls(client, min_nodes=min_nodes, max_nodes=max_nodes, settle=settle,
                    timeout=timeout, token=token, tuning=tuning, job=job)
 
@@ -246,7 +259,8 @@ class ElasticGroup:
         """The records of generation ``g``'s first ``n`` joiners: ``have`` (the first ones,
         read before: a record never changes) and those after it."""
         base = f"{PREFIX}/{g}"
-        return have + [json.loads(await self.client.get(f"{base}/m/{i}", timeout=self.timeout))
+        wait = min(self.timeout, MAX_WAIT_TIMEOUT)
+        return have + [json.loads(await self.client.get(f"{base}/m/{i}", timeout=wait))
                        for i in range(len(have), n)]
 
     @staticmethod
@@ -317,7 +331,9 @@ class ElasticGroup:
                                           f"form ({exc})") from exc
                 log.warning("elastic: generation %d failed to form (%s); trying the next", g,
                             exc)
-                self.generation = gen
+                # its roster already left out this world's leavers: the next generation
+                # expects all of its members back
+                self.generation, self._leavers = gen, 0
                 await self._open(g + 1)
                 continue
             self.generation, self.comm = gen, comm

@@ -4,6 +4,8 @@ TCP worlds and a real rendezvous server; one crashes, one joins later."""
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import time
 from typing import Any
 
@@ -214,6 +216,75 @@ async def test_bad_settle_is_refused_before_connecting(monkeypatch: pytest.Monke
             await client.close()
         await server.close()
     assert opened == []
+
+
+async def test_no_timeout_forms_a_world_without_one() -> None:
+    """``timeout=math.inf`` (as for a Communicator): the group connects and forms, and the
+    world's collectives have no timeout either (it was refused: the rendezvous protocol
+    bounds one request's wait, which is no bound of the group's own)."""
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        group = await ElasticGroup.connect(min_nodes=1, max_nodes=1, settle=0.0,
+                                           timeout=math.inf,
+                                           rendezvous=f"127.0.0.1:{server.port}")
+        try:
+            comm = await asyncio.wait_for(group.form(), 10)
+            assert (comm.world_size, comm.timeout) == (1, math.inf)
+            x = np.arange(3.0)
+            await comm.all_reduce(x)
+            np.testing.assert_array_equal(x, np.arange(3.0))
+        finally:
+            await group.close()
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, math.nan, "5", True, None])
+async def test_bad_timeout_is_refused_before_connecting(timeout: Any) -> None:
+    # nothing listens on port 1: a connection attempt would raise OSError, not ValueError
+    with pytest.raises(ValueError, match="timeout must be a number > 0"):
+        await ElasticGroup.connect(timeout=timeout, rendezvous="127.0.0.1:1")
+
+
+async def test_after_a_world_failed_to_form_its_members_are_all_expected_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member left generation 0 (``check`` counted it), so generation 1 expects one member
+    of 0 fewer. Generation 1 closes without the leaver but its world fails to form: generation
+    2 must expect *every* member of 1 back. The leaver was counted out a second time, so a
+    survivor could be pushed out of a full generation 2 by a newcomer."""
+    import asynccoll.transport.tcp_world as tcp_world
+    from asynccoll.elastic import Generation
+
+    real = tcp_world.tcp_store_world
+    calls: list[str] = []
+
+    async def fails_once(client: Any, prefix: str, *args: Any, **kw: Any) -> Communicator:
+        calls.append(prefix)
+        if len(calls) == 1:
+            raise OSError(99, "Cannot assign requested address")
+        return await real(client, prefix, *args, **kw)
+
+    monkeypatch.setattr(tcp_world, "tcp_store_world", fails_once)
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        group = await ElasticGroup.connect(min_nodes=1, max_nodes=1, settle=0.0, timeout=5.0,
+                                           rendezvous=f"127.0.0.1:{server.port}")
+        try:
+            # a member of a world of 3 (generation 0) of which one member leaves
+            group.generation = Generation(0, 0, 3, (group.id, "b", "c"), ())
+            group._leavers = 1
+            comm = await asyncio.wait_for(group.form(), 10)
+            assert calls == ["elastic/1", "elastic/2"] and comm.world_size == 1
+            first = json.loads(await group.client.get("elastic/1/m/0", wait=False))
+            second = json.loads(await group.client.get("elastic/2/m/0", wait=False))
+            assert (first["gen"], first["size"]) == (0, 2)    # 3 members, 1 leaves
+            assert (second["gen"], second["size"]) == (1, 1)  # all of generation 1
+        finally:
+            await group.close()
+    finally:
+        await server.close()
 
 
 class ClosedJustAfter:
