@@ -57,3 +57,14 @@ def test_training_guide_program_runs_in_one_process(tmp_path: Path) -> None:
     out = run(tmp_path, source, "train_local.py", [sys.executable])
     losses = ast.literal_eval(out.strip().splitlines()[-1])  # a list of 4 floats
     assert len(losses) == 4 and all(0 < loss < 1 for loss in losses)
+
+
+@pytest.mark.timeout(60)
+def test_parameter_server_program_runs_under_the_launcher(tmp_path: Path) -> None:
+    """async_training.md: "Saved as `ps.py`, `asynccoll run --elastic -n 4 ps.py` runs it"
+    (1 server and 2 workers here)."""
+    source = program("async_training.md", "AsyncSGD(model, comm")
+    out = run(tmp_path, source, "ps.py", [*LAUNCHER, "run", "--elastic", "-n", "3"])
+    assert sorted(re.findall(r"^\[(\d)\] worker \1: last loss", out, re.MULTILINE)) == ["1", "2"]
+    # the server: version, accepted, scaled, rejected, lost: 2 workers x 100 pushes, none lost
+    assert re.search(r"^\[0\] 200 \d+ \d+ 0 \(\)$", out, re.MULTILINE), out
