@@ -68,3 +68,13 @@ def test_parameter_server_program_runs_under_the_launcher(tmp_path: Path) -> Non
     assert sorted(re.findall(r"^\[(\d)\] worker \1: last loss", out, re.MULTILINE)) == ["1", "2"]
     # the server: version, accepted, scaled, rejected, lost: 2 workers x 100 pushes, none lost
     assert re.search(r"^\[0\] 200 \d+ \d+ 0 \(\)$", out, re.MULTILINE), out
+
+
+@pytest.mark.timeout(60)
+def test_elastic_program_runs_under_the_launcher(tmp_path: Path) -> None:
+    """async_training.md: "saved as `elastic_min.py`, it runs the same way: `asynccoll run -n 3
+    --min-nodes 2 --max-nodes 4 elastic_min.py`" (2 processes here)."""
+    source = program("async_training.md", "ElasticTrainer(group, build")
+    out = run(tmp_path, source, "elastic_min.py",
+              [*LAUNCHER, "run", "-n", "2", "--min-nodes", "2", "--max-nodes", "2"])
+    assert sorted(re.findall(r"^\[(\d)\] step 300, loss", out, re.MULTILINE)) == ["0", "1"]
