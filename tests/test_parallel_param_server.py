@@ -461,6 +461,37 @@ async def test_lost_worker_breaks_everything_without_isolation() -> None:
         await run_world(rank, 3, "tcp")
 
 
+async def test_a_server_that_cannot_start_tells_its_workers_at_once() -> None:
+    """Server 0 dies before it shares the initial parameters (``peer_loss="isolate"``):
+    server 1's ``serve`` fails, and the workers, which know server 0 is lost, must not then
+    wait the whole timeout for server 1's reply to their pull: it never comes."""
+    async def rank(comm: Communicator) -> Any:
+        opt = AsyncSGD(MLP(SIZES, seed=0), comm, servers=(0, 1), optimizer=SGD(lr=0.1))
+        start = asyncio.get_running_loop().time()
+        if comm.rank == 0:
+            await asyncio.sleep(0.2)             # the workers' pulls are on their way
+            await crash(comm)
+            return "crashed"
+        if opt.is_server:
+            with pytest.raises(PeerLostError):
+                await opt.serve()
+            return "failed"
+        with pytest.raises(PeerLostError, match="world rank 0") as lost:
+            await opt.step(regression(comm.rank))
+        with pytest.raises(PeerLostError):        # server 0 lost, server 1 stopped: at once
+            await opt.pull()
+        with pytest.raises(PeerLostError):
+            await opt.finish()
+        return lost.value.rank, asyncio.get_running_loop().time() - start
+
+    crashed, failed, *workers = await run_world(rank, 4, "tcp", peer_loss="isolate",
+                                                timeout=5.0)
+    assert (crashed, failed) == ("crashed", "failed")
+    for lost_rank, took in workers:
+        assert lost_rank == 0
+        assert took < 2.0, f"a worker took {took:.2f} s to fail (the timeout is 5 s)"
+
+
 async def test_worker_with_another_model_is_refused() -> None:
     async def rank(comm: Communicator) -> Any:
         model = MLP([4, 8, 1] if comm.rank == 2 else SIZES, seed=0)

@@ -38,7 +38,12 @@ A request the server cannot use (bad header, unknown kind, a shard size that doe
 match) gets ``REPLY [REFUSED, version, reason, MAGIC]``; the worker raises
 ``CollectiveError`` and the server stops serving it (state ``"failed"``). The worker's later
 pulls and pushes to that server raise ``CollectiveError`` at once, and its ``finish`` skips
-that server: nothing waits for a reply that will not come. After ``DONE`` the server reads
+that server: nothing waits for a reply that will not come. A server whose ``serve`` fails
+before it serves anyone (another server was lost before the initial parameters came, or they
+do not fit) answers in the same spirit, where the world isolates lost peers: every worker gets
+``REPLY [STOPPED, version, lost rank or -1, MAGIC]``, its pending and later requests to that
+server raise at once (``PeerLostError`` naming the lost rank, else ``CollectiveError``) and
+its ``finish`` skips it. After ``DONE`` the server reads
 nothing more from that worker (``finish`` is idempotent, and a finished worker's ``pull`` and
 ``push`` raise ``RuntimeError`` without sending).
 
@@ -67,7 +72,10 @@ and reported (state ``"lost"``), and the server goes on serving the others, *if*
 isolates lost peers: the TCP backend with ``peer_loss="isolate"``. Under the default
 ``peer_loss="abort"`` a lost peer breaks the whole world, so ``AsyncSGD.serve`` raises
 ``PeerLostError`` (or ``CollectiveTimeout``) on every server,
-as collectives need. A lost *server* is fatal to the workers: their next step raises.
+as collectives need. A lost *server* is fatal to the workers: their next step raises, at once
+(their exchanges with it fail as its connection breaks; a server that cannot start because
+another one was lost sends them ``STOPPED``, or breaks the world under ``"abort"``, rather
+than leave them waiting for the timeout).
 Cancelling a pull or push midway breaks the communicator for everyone (the Communicator's
 cancellation contract).
 """
@@ -75,6 +83,7 @@ cancellation contract).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Mapping, Sequence
@@ -109,7 +118,7 @@ MAGIC = 0x4153_4744          # "ASGD"
 # request kinds
 PULL, PUSH, DONE, INIT = 1, 2, 3, 4
 # reply statuses
-OK, ACCEPTED, SCALED, REJECTED, REFUSED = 0, 1, 2, 3, 4
+OK, ACCEPTED, SCALED, REJECTED, REFUSED, STOPPED = 0, 1, 2, 3, 4, 5
 
 PushStatus = Literal["accepted", "scaled", "rejected"]
 WorkerState = Literal["active", "done", "lost", "failed"]
@@ -408,8 +417,9 @@ class AsyncSGD:
         self._grads: np.ndarray | None = None
         self._versions = [-1] * len(self.servers)
         self._locks: list[asyncio.Lock] = []
-        #: servers that refused this worker (rank -> why): they no longer read its requests
-        self._refused: dict[int, str] = {}
+        #: servers that no longer serve this worker (they refused it, or stopped serving),
+        #: rank -> (why, the world rank whose loss stopped it): they read no more requests
+        self._unserved: dict[int, tuple[str, int | None]] = {}
         if self.is_worker:
             self._params = self._flatten(model)
             self._grads = np.zeros(lay.size, lay.dtype)
@@ -502,7 +512,7 @@ class AsyncSGD:
         server, (a, b) = self.servers[i], self.shards[i]
         assert self._params is not None
         async with self._locks[i]:
-            self._check_refused(server)
+            self._check_served(server)
             await self.comm.send(_header(PULL, 0, b - a), server, TAG_REQUEST)
             status, version, n = self._reply(await self.comm.recv(server, TAG_REPLY), server)
             if status != OK or n != b - a:
@@ -590,7 +600,7 @@ class AsyncSGD:
     async def _push_one(self, i: int, flat: np.ndarray) -> PushResult:
         server, (a, b) = self.servers[i], self.shards[i]
         async with self._locks[i]:
-            self._check_refused(server)
+            self._check_served(server)
             await self.comm.send(_header(PUSH, self._versions[i], b - a), server, TAG_REQUEST)
             await self.comm.send(flat[a:b], server, TAG_REQUEST)
             status, version, staleness = self._reply(
@@ -609,17 +619,30 @@ class AsyncSGD:
                                   f"with the same servers?")
         status, version, extra = parsed
         if status == REFUSED:
-            self._refused[server] = REFUSAL_REASONS.get(extra, f"reason {extra}")
-            self._check_refused(server)
+            why = REFUSAL_REASONS.get(extra, f"reason {extra}")
+            self._unserved[server] = (f"parameter server {server} refused rank {self.rank}: "
+                                      f"it sent {why}", None)
+            self._check_served(server)
+        elif status == STOPPED:
+            lost = extra if extra >= 0 else None
+            cause = (f"it lost world rank {lost}" if lost is not None
+                     else "it failed (its serve() raised)")
+            self._unserved[server] = (f"parameter server {server} stopped serving: {cause}",
+                                      lost)
+            self._check_served(server)
         return status, version, extra
 
-    def _check_refused(self, server: int) -> None:
-        """Raise ``CollectiveError`` if ``server`` refused this worker: it no longer reads
-        this worker's requests, so a new one would only wait for the timeout."""
-        why = self._refused.get(server)
-        if why is not None:
-            raise CollectiveError(f"parameter server {server} refused rank {self.rank}: "
-                                  f"it sent {why}")
+    def _check_served(self, server: int) -> None:
+        """Raise if ``server`` no longer serves this worker (it refused it, or it stopped):
+        it reads none of this worker's requests, so a new one would only wait for the
+        timeout. ``PeerLostError`` when it stopped because it lost a peer, else
+        ``CollectiveError``."""
+        gone = self._unserved.get(server)
+        if gone is not None:
+            why, lost = gone
+            if lost is not None:
+                raise PeerLostError(why, rank=lost)
+            raise CollectiveError(why)
 
     async def finish(self) -> None:
         """Tell every server this worker is done (idempotent); a server's ``serve``
@@ -640,7 +663,7 @@ class AsyncSGD:
     async def _finish_one(self, i: int) -> None:
         server = self.servers[i]
         async with self._locks[i]:
-            if server in self._refused:
+            if server in self._unserved:
                 return                  # it stopped serving this worker already
             await self.comm.send(_header(DONE), server, TAG_REQUEST)
             self._reply(await self.comm.recv(server, TAG_REPLY), server)
@@ -706,7 +729,8 @@ class AsyncSGD:
                 does not isolate lost peers (``peer_loss="abort"``, the default, or the
                 memory backend), or another server was lost.
             CollectiveError: the world is broken (an error elsewhere), or server 0's initial
-                parameters do not fit this server.
+                parameters do not fit this server. A server that fails before serving tells
+                the workers first (see the module docstring), so that none waits for it.
             RuntimeError: called on a worker, or a second time.
         """
         if not self.is_server:
@@ -714,7 +738,11 @@ class AsyncSGD:
         if self._serving:
             raise RuntimeError("serve() runs once")
         self._serving = True
-        await self._share_initial()
+        try:
+            await self._share_initial()
+        except CollectiveError as exc:
+            await self._give_up(exc)
+            raise
         try:
             async with asyncio.TaskGroup() as tg:
                 for w in self.workers:
@@ -726,6 +754,37 @@ class AsyncSGD:
                   "%d rejected, lost %s", self.rank, stats.version, stats.accepted,
                   stats.scaled, stats.rejected, list(stats.lost))
         return stats
+
+    async def _give_up(self, exc: CollectiveError) -> None:
+        """``serve`` fails before serving anyone (``exc``: another server was lost, or sent
+        parameters that do not fit): tell the workers at once, since the requests they
+        sent this server will never be answered. Where the world isolates lost peers, each
+        worker gets a ``STOPPED`` reply (its pending and later requests to this server raise
+        at once, and the other servers go on); elsewhere the world is broken with ``exc``,
+        as any failure breaks it there."""
+        comm = self.comm
+        if comm.transport.broken is not None:
+            return                      # every rank hears of it already
+        lost = exc.rank if isinstance(exc, PeerLostError) and exc.rank is not None else -1
+        if isinstance(exc, CollectiveTimeout) and self.rank != self.servers[0]:
+            lost = self.servers[0]      # it never sent the initial parameters
+        if not _isolates_peers(comm):
+            self._break_world(exc)
+            return
+        log.error("parameter server %d cannot serve (%s); telling the workers", self.rank, exc)
+
+        async def tell(w: int) -> None:
+            with contextlib.suppress(PeerLostError, CollectiveTimeout):  # lost too, or gone
+                await comm.send(_header(STOPPED, self._version, lost), w, TAG_REPLY)
+
+        await _all([tell(w) for w in self.workers])
+
+    def _break_world(self, exc: CollectiveError) -> None:
+        """Break the world with ``exc`` (unless it is broken already), so that every rank
+        raises it, rather than the error of this server's cancelled receives."""
+        transport = self.comm.transport
+        if transport.broken is None:
+            transport.abort(exc)
 
     async def _share_initial(self) -> None:
         """Server 0 sends each other server its range of server 0's initial parameters."""
