@@ -492,6 +492,33 @@ async def test_a_server_that_cannot_start_tells_its_workers_at_once() -> None:
         assert took < 2.0, f"a worker took {took:.2f} s to fail (the timeout is 5 s)"
 
 
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+async def test_a_worker_that_leaves_without_finish_breaks_the_world_with_its_cause(
+        backend: str) -> None:
+    """Under ``peer_loss="abort"`` (and on the memory backend) a worker that closes its
+    communicator without ``finish`` fails ``serve``; every other rank must learn why, not
+    only that the server's cancelled receives broke the world."""
+    async def rank(comm: Communicator) -> Any:
+        opt = AsyncSGD(MLP(SIZES, seed=0), comm, optimizer=SGD(lr=0.1))
+        if opt.is_server:
+            with pytest.raises(PeerLostError, match="rank 2"):
+                await opt.serve()
+            return "failed"
+        await opt.step(regression(comm.rank))
+        if comm.rank == 2:
+            await comm.close()                   # no finish()
+            return "left"
+        with pytest.raises(PeerLostError) as lost:
+            for s in range(200):
+                await opt.step(regression(s))
+                await asyncio.sleep(0.01)
+        return str(lost.value), lost.value.rank
+
+    failed, (message, lost), left = await run_world(rank, 3, backend, timeout=5.0)
+    assert (failed, left) == ("failed", "left")
+    assert lost == 2 and "parameter server 0 lost worker 2" in message, message
+
+
 async def test_worker_with_another_model_is_refused() -> None:
     async def rank(comm: Communicator) -> Any:
         model = MLP([4, 8, 1] if comm.rank == 2 else SIZES, seed=0)

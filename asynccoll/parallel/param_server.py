@@ -71,11 +71,13 @@ A worker that is lost (its connection breaks, or its channel times out) is remov
 and reported (state ``"lost"``), and the server goes on serving the others, *if* the world
 isolates lost peers: the TCP backend with ``peer_loss="isolate"``. Under the default
 ``peer_loss="abort"`` a lost peer breaks the whole world, so ``AsyncSGD.serve`` raises
-``PeerLostError`` (or ``CollectiveTimeout``) on every server,
-as collectives need. A lost *server* is fatal to the workers: their next step raises, at once
-(their exchanges with it fail as its connection breaks; a server that cannot start because
-another one was lost sends them ``STOPPED``, or breaks the world under ``"abort"``, rather
-than leave them waiting for the timeout).
+``PeerLostError`` (or ``CollectiveTimeout``) on every server, as collectives need; a worker
+that closes its communicator without ``finish`` is lost too, and the server breaks the world
+with an error that names it ("parameter server 0 lost worker 3"). A lost *server* is fatal
+to the workers: their next step raises, at once (their exchanges with it fail as its
+connection breaks; a server that cannot start because another one was lost sends them
+``STOPPED``, or breaks the world under ``"abort"``, rather than leave them waiting for the
+timeout).
 Cancelling a pull or push midway breaks the communicator for everyone (the Communicator's
 cancellation contract).
 """
@@ -851,6 +853,12 @@ class AsyncSGD:
                     raise
         except (PeerLostError, CollectiveTimeout) as exc:
             if not _isolates_peers(comm):
+                # the world breaks with the cause (a rank that closed its communicator
+                # without finish() does not break it by itself), not with the error of the
+                # receives the task group is about to cancel
+                why = f"parameter server {self.rank} lost worker {w}: {exc}"
+                self._break_world(PeerLostError(why, rank=w) if isinstance(exc, PeerLostError)
+                                  else CollectiveError(why))
                 raise
             counters.state, counters.error = "lost", str(exc)
             log.warning("parameter server %d: lost worker %d (%s); serving the others",
