@@ -62,6 +62,9 @@ _MAX_PLANS = 256
 def _check_array(a: Any, what: str = "array", *, writable: bool = False) -> np.ndarray:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{what} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.__class__ is not np.ndarray and isinstance(a, np.matrix):
+        # it stays 2-D when flattened: the algorithms' flat views of it are wrong
+        raise TypeError(f"{what} is a numpy.matrix; pass numpy.asarray({what}) (a view)")
     if not a.flags.c_contiguous:
         raise TypeError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
     dtype_code(a.dtype)  # TypeError for unsupported dtypes
