@@ -28,6 +28,14 @@ PUMP_CHUNK = 1 << 16
 LINE_LIMIT = 1 << 20
 #: seconds a rank's unfinished line (a progress bar, a prompt) waits for more before it is shown
 IDLE_FLUSH = 0.1
+#: several nodes (``--nnodes``): the launchers' keys in the rendezvous store
+NODES_PREFIX = "launch"
+#: seconds a launcher waits for node 0's rendezvous to answer
+NODES_CONNECT_SECONDS = 120.0
+#: seconds between two looks at whether another node's rank failed
+NODES_POLL_SECONDS = 0.2
+#: seconds node 0 keeps the rendezvous up for the other nodes after its own ranks ended
+NODES_EXIT_SECONDS = 300.0
 
 
 def _run_loop(coro: Any) -> Any:
@@ -190,8 +198,14 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 class _Launcher:
     def __init__(self, n: int, command: list[str], *, addr: str, port: int, token: str,
                  bind: str, elastic: tuple[int, int] | None = None,
-                 max_restarts: int = 0) -> None:
+                 max_restarts: int = 0, nnodes: int = 1, node_rank: int = 0) -> None:
         self.n = n
+        #: several nodes: this launcher starts ranks node_rank * n ... node_rank * n + n - 1 of
+        #: a world of nnodes * n; node 0's launcher hosts the rendezvous
+        self.nnodes, self.node_rank = nnodes, node_rank
+        #: several nodes: the connection to the rendezvous through which the launchers tell
+        #: each other that a rank failed, and that their ranks ended
+        self.client: Any = None
         #: (min_nodes, max_nodes) in elastic mode: a failed rank does not stop the others
         self.elastic = elastic
         self.restarts_left = max_restarts
@@ -221,9 +235,12 @@ class _Launcher:
 
     def env(self, rank: int, rdv_port: int) -> dict[str, str]:
         env = dict(os.environ)
+        world, local = self.n * self.nnodes, rank - self.node_rank * self.n
         env.update({
-            "ASYNCCOLL_RANK": str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "ASYNCCOLL_WORLD_SIZE": str(self.n), "WORLD_SIZE": str(self.n),
+            "ASYNCCOLL_RANK": str(rank), "RANK": str(rank),
+            "ASYNCCOLL_LOCAL_RANK": str(local), "LOCAL_RANK": str(local),
+            "ASYNCCOLL_NODE_RANK": str(self.node_rank), "GROUP_RANK": str(self.node_rank),
+            "ASYNCCOLL_WORLD_SIZE": str(world), "WORLD_SIZE": str(world),
             "ASYNCCOLL_LOCAL_WORLD_SIZE": str(self.n), "LOCAL_WORLD_SIZE": str(self.n),
             "ASYNCCOLL_ADDR": self.addr, "MASTER_ADDR": self.addr,
             "ASYNCCOLL_PORT": str(rdv_port), "MASTER_PORT": str(rdv_port),
@@ -380,8 +397,101 @@ class _Launcher:
             log.info("rank %d exited with %s; stopping the other ranks", rank, code)
             self._say(f"asynccoll run: rank {rank} exited with code {code}; "
                       f"stopping the others\n")
-            await self.stop()
+            await asyncio.gather(self.stop(), self._tell_nodes(rank, code))
         await output
+
+    # -- several nodes ----------------------------------------------------------------------
+
+    async def _tell_nodes(self, rank: int | None, code: int) -> None:
+        """Several nodes: tell the other launchers that ``rank`` of this node failed with
+        ``code`` (None: the launcher was interrupted), unless a failure is known already."""
+        if self.client is None:
+            return
+        import json
+
+        record = json.dumps({"node": self.node_rank, "rank": rank, "code": code})
+        try:
+            await self.client.compare_set(f"{NODES_PREFIX}/failed", None, record)
+        except Exception as exc:  # node 0's launcher is gone: its ranks go with it
+            log.warning("could not tell the other nodes that rank %s failed: %s", rank, exc)
+
+    async def _watch_nodes(self) -> None:
+        """Several nodes: stop this node's ranks as soon as another node says one of its
+        ranks failed (or its launcher was interrupted)."""
+        import json
+
+        key = f"{NODES_PREFIX}/failed"
+        while True:
+            try:
+                value = await self.client.get(key, wait=False)
+            except KeyError:
+                await asyncio.sleep(NODES_POLL_SECONDS)
+                continue
+            except Exception as exc:
+                self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc}); this node's "
+                          f"ranks go on\n")
+                return
+            failed = json.loads(value)
+            if failed["node"] == self.node_rank:
+                return  # ours: reported and acted on where it happened
+            rank, code = failed["rank"], int(failed["code"])
+            what = (f"the launcher of node {failed['node']} was interrupted" if rank is None
+                    else f"rank {rank} (node {failed['node']}) exited with code {code}")
+            if self.first_failure is None and not self.stopping and not self.interrupted:
+                self.first_failure = (-1 if rank is None else int(rank), code)
+                self._say(f"asynccoll run: {what}; stopping this node's ranks\n")
+                await self.stop()
+            return
+
+    async def _connect_nodes(self) -> bool:
+        """Several nodes: connect to node 0's rendezvous (waiting for it to start)."""
+        from .rendezvous import RendezvousClient
+
+        try:
+            self.client = await RendezvousClient.connect(
+                self.addr, self.port, token=self.token, timeout=NODES_CONNECT_SECONDS)
+        except Exception as exc:
+            self._say(f"asynccoll run: node {self.node_rank} cannot reach the rendezvous at "
+                      f"{self.addr}:{self.port} (node 0's launcher): {exc}\n")
+            return False
+        return True
+
+    async def _end_nodes(self, ok: bool) -> None:
+        """Several nodes, once this node's ranks ended: say so; node 0 keeps the rendezvous
+        up until every node's ranks ended (or one failed), for at most NODES_EXIT_SECONDS."""
+        if self.client is None:
+            return
+        with contextlib.suppress(Exception):
+            if ok:
+                await self.client.set(f"{NODES_PREFIX}/done/{self.node_rank}", b"1")
+            if self.node_rank != 0:
+                return
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            deadline = began + NODES_EXIT_SECONDS
+            said = False
+            while loop.time() < deadline:
+                waiting = []
+                for k in range(1, self.nnodes):
+                    try:
+                        await self.client.get(f"{NODES_PREFIX}/done/{k}", wait=False)
+                    except KeyError:
+                        waiting.append(k)
+                if not waiting:
+                    return
+                try:
+                    await self.client.get(f"{NODES_PREFIX}/failed", wait=False)
+                    return
+                except KeyError:
+                    pass
+                if not said and loop.time() - began > 2.0:
+                    said = True
+                    self._say(f"asynccoll run: keeping the rendezvous up until node(s) "
+                              f"{', '.join(map(str, waiting))} end (at most "
+                              f"{NODES_EXIT_SECONDS:g} s)\n")
+                await asyncio.sleep(NODES_POLL_SECONDS)
+            self._say("asynccoll run: the other nodes did not end in time; closing the "
+                      "rendezvous\n")
 
     def _has_left(self, rank: int, pid: int) -> bool:
         """Whether the process labelled ``rank`` left the elastic job (``ElasticGroup.leave``
@@ -418,14 +528,28 @@ class _Launcher:
     async def main(self) -> int:
         from .rendezvous import RendezvousServer
 
-        server = RendezvousServer(self.bind, self.port, token=self.token)
+        server = None
+        if self.node_rank == 0:  # (the other nodes' ranks use node 0's)
+            server = RendezvousServer(self.bind, self.port, token=self.token)
+            try:
+                await server.start()
+            except OSError as exc:
+                self._say(f"asynccoll run: cannot start the rendezvous server on "
+                          f"{self.bind}:{self.port}: {exc}\n")
+                return 1
+            self.store = server.store
         try:
-            await server.start()
-        except OSError as exc:
-            self._say(f"asynccoll run: cannot start the rendezvous server on "
-                      f"{self.bind}:{self.port}: {exc}\n")
-            return 1
-        self.store = server.store
+            if self.nnodes > 1 and not await self._connect_nodes():
+                return 1
+            return await self._run(server.port if server is not None else self.port)
+        finally:
+            if self.client is not None:
+                await self.client.close()
+            if server is not None:
+                await server.close()
+
+    async def _run(self, rdv_port: int) -> int:
+        """Start this node's ranks and watch them until they end; the exit code."""
         loop = asyncio.get_running_loop()
         interrupted = asyncio.Event()
 
@@ -441,9 +565,12 @@ class _Launcher:
             if sig is not None:
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.add_signal_handler(sig, on_interrupt)
+        nodes = (asyncio.ensure_future(self._watch_nodes()) if self.client is not None
+                 else None)
         try:
-            for rank in range(self.n):
-                await self.spawn(rank, server.port)
+            first = self.node_rank * self.n
+            for rank in range(first, first + self.n):
+                await self.spawn(rank, rdv_port)
             interrupt = asyncio.ensure_future(interrupted.wait())
             # (the list grows when an elastic run starts a replacement)
             while not interrupt.done() and not all(w.done() for w in self.watchers):
@@ -453,6 +580,7 @@ class _Launcher:
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if interrupt.done():
                 self._say("asynccoll run: interrupted; stopping the ranks\n")
+                await self._tell_nodes(None, 130)
                 try:
                     async with asyncio.timeout(GRACE_SECONDS):
                         await self._wait_all()
@@ -465,7 +593,10 @@ class _Launcher:
         finally:
             if any(p.returncode is None for p in self.procs):
                 await self.stop()
-            await server.close()
+            if nodes is not None:
+                nodes.cancel()
+                await asyncio.gather(nodes, return_exceptions=True)
+        await self._end_nodes(ok=self.first_failure is None and not self.interrupted)
         if self.elastic is not None:
             if self.succeeded < self.elastic[0]:
                 left = f" ({self.left} left the job)" if self.left else ""
@@ -512,9 +643,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"asynccoll run: --max-restarts must be >= 0, "
                          f"got {args.max_restarts}\n")
         return 2
+    if args.nnodes < 1:
+        sys.stderr.write(f"asynccoll run: --nnodes must be >= 1, got {args.nnodes}\n")
+        return 2
+    if args.nnodes > 1:
+        problem = None
+        if args.node_rank is None:
+            problem = "--nnodes > 1 needs --node-rank (0 on the node that hosts the rendezvous)"
+        elif not 0 <= args.node_rank < args.nnodes:
+            problem = f"--node-rank must be 0-{args.nnodes - 1}, got {args.node_rank}"
+        elif not args.port:
+            problem = "--nnodes > 1 needs --port (the same on every node)"
+        elif not (args.token or os.environ.get("ASYNCCOLL_TOKEN")):
+            problem = ("--nnodes > 1 needs a token shared by every node: set ASYNCCOLL_TOKEN "
+                       "(or --token)")
+        elif elastic is not None:
+            problem = "--elastic does not support --nnodes > 1 yet"
+        if problem:
+            sys.stderr.write(f"asynccoll run: {problem}\n")
+            return 2
+    elif args.node_rank not in (None, 0):
+        sys.stderr.write(f"asynccoll run: --node-rank must be 0 with one node, got "
+                         f"{args.node_rank}\n")
+        return 2
     launcher = _Launcher(args.n, command, addr=args.addr, port=args.port, token=token,
                          bind=args.bind or args.addr, elastic=elastic,
-                         max_restarts=args.max_restarts)
+                         max_restarts=args.max_restarts, nnodes=args.nnodes,
+                         node_rank=args.node_rank or 0)
     return int(_run_loop(launcher.main()))
 
 
@@ -579,10 +734,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "stdout to stdout, its stderr to stderr); the start of an unfinished line "
                     "shows after 0.1 s without more, and a progress bar redrawn after a "
                     "carriage return keeps its prefix. When a rank fails, the others are "
-                    "stopped and the launcher exits with its code (unless --elastic).")
-    run.add_argument("-n", "--nproc", dest="n", type=int, required=True, help="number of ranks")
+                    "stopped and the launcher exits with its code (unless --elastic). A job "
+                    "on several machines runs one launcher on each (--nnodes, --node-rank): "
+                    "a failure on any node stops every node's ranks.")
+    run.add_argument("-n", "--nproc", dest="n", type=int, required=True,
+                     help="number of ranks (on this node)")
+    run.add_argument("--nnodes", type=int, default=1,
+                     help="nodes of the job: one launcher on each starts N ranks; node 0's "
+                          "hosts the rendezvous on --addr:--port (default 1)")
+    run.add_argument("--node-rank", type=int, default=None,
+                     help="this node's index, 0 to NNODES-1 (its ranks: NODE_RANK*N to "
+                          "NODE_RANK*N+N-1)")
     run.add_argument("--addr", default="127.0.0.1",
-                     help="address the ranks use to reach the rendezvous (default 127.0.0.1)")
+                     help="address the ranks use to reach the rendezvous (default 127.0.0.1; "
+                          "with --nnodes > 1: node 0's address, the same on every node)")
     run.add_argument("--port", type=int, default=0,
                      help="rendezvous port (default: a free one)")
     run.add_argument("--bind", default=None, help="address the rendezvous binds (default --addr)")
