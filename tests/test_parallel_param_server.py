@@ -539,6 +539,32 @@ async def test_worker_with_another_model_is_refused() -> None:
     assert stats.done == (1,) and stats.lost == (2,) and stats.workers[2].state == "failed"
 
 
+@pytest.mark.parametrize("other", [{"sizes": [1, 32, 1]}, {"dtype": np.float32}],
+                         ids=["other shapes, same size", "other dtype"])
+async def test_worker_with_a_model_of_the_same_size_is_refused(other: dict[str, Any]) -> None:
+    """Another model with as many parameters (other shapes, or another dtype) must be
+    refused at the first pull too, not trained into the servers' parameters."""
+    async def rank(comm: Communicator) -> Any:
+        kw = {"sizes": SIZES, **other} if comm.rank == 2 else {"sizes": SIZES}
+        model = MLP(**kw, seed=0)
+        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1))
+        if opt.is_server:
+            return await opt.serve()
+        if comm.rank == 2:
+            with pytest.raises(CollectiveError, match=r"refused rank 2.*names, shapes or dtype"):
+                await opt.pull()
+            return "refused"
+        for s in range(5):
+            await opt.step(regression(s))
+        await opt.finish()
+        return "done"
+
+    stats, *results = await run_world(rank, 3, "memory")
+    assert results == ["done", "refused"]
+    assert stats.workers[2].state == "failed" and stats.workers[2].pulls == 0
+    assert stats.version == stats.workers[1].accepted == 5
+
+
 async def test_refused_worker_finishes_at_once_and_the_others_go_on() -> None:
     """A refused worker that goes on to call ``finish`` (in a ``finally``, say) or to pull
     again must not wait for a reply the server will never send: that wait times out and, on

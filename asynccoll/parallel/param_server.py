@@ -19,7 +19,8 @@ A worker holds one lock per server, so one exchange at a time runs on each chann
 
     worker w                                         server s
     -- pull -----------------------------------------------------------------------
-    REQUEST [PULL, 0, n, MAGIC]          ------->    (n: the shard size w expects)
+    REQUEST [PULL, f, n, MAGIC]          ------->    (n: the shard size w expects, f: the
+                                                      fingerprint of w's model)
                                          <-------    REPLY [OK, version, n, MAGIC]
                                          <-------    REPLY shard (n elements, a snapshot)
     -- push -----------------------------------------------------------------------
@@ -34,18 +35,19 @@ A worker holds one lock per server, so one exchange at a time runs on each chann
     server 0                                         server k > 0 (at the start of serve)
     INIT [INIT, 0, n, MAGIC] + shard     ------->    the initial values of k's range
 
-A request the server cannot use (bad header, unknown kind, a shard size that does not
-match) gets ``REPLY [REFUSED, version, reason, MAGIC]``; the worker raises
-``CollectiveError`` and the server stops serving it (state ``"failed"``). The worker's later
-pulls and pushes to that server raise ``CollectiveError`` at once, and its ``finish`` skips
-that server: nothing waits for a reply that will not come. A server whose ``serve`` fails
-before it serves anyone (another server was lost before the initial parameters came, or they
-do not fit) answers in the same spirit, where the world isolates lost peers: every worker gets
-``REPLY [STOPPED, version, lost rank or -1, MAGIC]``, its pending and later requests to that
-server raise at once (``PeerLostError`` naming the lost rank, else ``CollectiveError``) and
-its ``finish`` skips it. After ``DONE`` the server reads
-nothing more from that worker (``finish`` is idempotent, and a finished worker's ``pull`` and
-``push`` raise ``RuntimeError`` without sending).
+A request the server cannot use (bad header, unknown kind, a shard size or a model
+fingerprint that does not match: the names, shapes, order and dtype of the parameters) gets
+``REPLY [REFUSED, version, reason, MAGIC]``; the worker raises ``CollectiveError`` and the
+server stops serving it (state ``"failed"``). The worker's later pulls and pushes to that
+server raise ``CollectiveError`` at once, and its ``finish`` skips that server: nothing
+waits for a reply that will not come. A server whose ``serve`` fails before it serves anyone
+(another server was lost before the initial parameters came, or they do not fit) answers in
+the same spirit, where the world isolates lost peers: every worker gets ``REPLY [STOPPED,
+version, lost rank or -1, MAGIC]``, its pending and later requests to that server raise at
+once (``PeerLostError`` naming the lost rank, else ``CollectiveError``) and its ``finish``
+skips it. After ``DONE`` the server reads nothing more from that worker (``finish`` is
+idempotent, and a finished worker's ``pull`` and ``push`` raise ``RuntimeError`` without
+sending).
 
 Staleness
 ---------
@@ -86,6 +88,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Mapping, Sequence
@@ -129,12 +132,13 @@ STATUS_NAMES: dict[int, PushStatus] = {ACCEPTED: "accepted", SCALED: "scaled",
 STALE_MODES = ("reject", "scale")
 
 # why a server refused a request (the third element of a REFUSED reply)
-BAD_HEADER, BAD_SIZE, BAD_PAYLOAD, BAD_KIND = 1, 2, 3, 4
+BAD_HEADER, BAD_SIZE, BAD_PAYLOAD, BAD_KIND, BAD_MODEL = 1, 2, 3, 4, 5
 REFUSAL_REASONS = {
     BAD_HEADER: "a malformed request header",
     BAD_SIZE: "a shard size that does not match the server's (different models?)",
     BAD_PAYLOAD: "a gradient of the wrong dtype or shape",
     BAD_KIND: "an unknown request",
+    BAD_MODEL: "the fingerprint of a model with other parameter names, shapes or dtype",
 }
 
 
@@ -256,6 +260,15 @@ def _parse(head: np.ndarray) -> tuple[int, int, int] | None:
     if head.dtype != np.int64 or head.shape != (HEADER_LEN,) or int(head[3]) != MAGIC:
         return None
     return int(head[0]), int(head[1]), int(head[2])
+
+
+def _fingerprint(layout: FlatLayout) -> int:
+    """A number that tells apart models whose flat vectors differ (parameter names, shapes
+    and order, and the dtype), the same in every process: a pull carries it, so a worker
+    built with another model of as many parameters is refused rather than trained."""
+    text = repr([(s.name, tuple(s.shape)) for s in layout.specs] + [np.dtype(layout.dtype).str])
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**62 - 1)
 
 
 def _isolates_peers(comm: Communicator) -> bool:
@@ -394,6 +407,7 @@ class AsyncSGD:
         self.rank = comm.rank
         # one "rank" and one bucket per unit: AsyncSGD cuts the flat vector by servers itself
         self.layout = lay = FlatLayout(model.param_specs(), 1, 0)
+        self._fingerprint = _fingerprint(lay)
         #: the flat ``(start, stop)`` range of every server, in the order of ``servers``
         self.shards: tuple[tuple[int, int], ...] = tuple(split_bounds(lay.size,
                                                                       len(self.servers)))
@@ -515,7 +529,8 @@ class AsyncSGD:
         assert self._params is not None
         async with self._locks[i]:
             self._check_served(server)
-            await self.comm.send(_header(PULL, 0, b - a), server, TAG_REQUEST)
+            await self.comm.send(_header(PULL, self._fingerprint, b - a), server,
+                                 TAG_REQUEST)
             status, version, n = self._reply(await self.comm.recv(server, TAG_REPLY), server)
             if status != OK or n != b - a:
                 raise CollectiveError(f"parameter server {server} answered a pull with "
@@ -824,8 +839,10 @@ class AsyncSGD:
                 if parsed is None:
                     raise _Refusal(BAD_HEADER)
                 kind, version, n = parsed
-                if kind == PULL:
+                if kind == PULL:          # (version: the worker's model's fingerprint)
                     self._check_size(n)
+                    if version != self._fingerprint:
+                        raise _Refusal(BAD_MODEL)
                     counters.pulls += 1
                     assert self._shard is not None
                     snapshot, now = self._shard.copy(), self._version
