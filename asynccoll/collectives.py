@@ -59,9 +59,27 @@ _MAX_PLANS = 256
 
 # --------------------------------------------------------------------------------- helpers
 
+def _not_an_array(a: Any, what: str) -> str:
+    """The ``TypeError`` message for ``a``, which is not a NumPy array; for a torch tensor
+    (or subclass: ``nn.Parameter``), what to pass instead (torch is not imported)."""
+    if not any(c.__name__ == "Tensor" and c.__module__.partition(".")[0] == "torch"
+               for c in type(a).__mro__):
+        return f"{what} must be a numpy.ndarray, got {type(a).__name__}"
+    got = f"{what} must be a numpy.ndarray, got a torch.Tensor"
+    device = getattr(a, "device", None)
+    if getattr(device, "type", "cpu") != "cpu":
+        return (f"{got} on {device}: the collectives take NumPy arrays (CuPy arrays on "
+                f"nccl); copy it to the CPU (tensor.cpu().numpy()) and the result back")
+    if str(getattr(a, "dtype", "")) == "torch.bfloat16":
+        return (f"{got} of dtype torch.bfloat16, which NumPy does not have: convert it "
+                f"(tensor.float().numpy()) and the result back")
+    return (f"{got}: pass tensor.numpy() (tensor.detach().numpy() if it requires grad), "
+            f"a view of its memory, so results written in place land in the tensor")
+
+
 def _check_array(a: Any, what: str = "array", *, writable: bool = False) -> np.ndarray:
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"{what} must be a numpy.ndarray, got {type(a).__name__}")
+        raise TypeError(_not_an_array(a, what))
     if a.__class__ is not np.ndarray and isinstance(a, np.matrix):
         # it stays 2-D when flattened: the algorithms' flat views of it are wrong
         raise TypeError(f"{what} is a numpy.matrix; pass numpy.asarray({what}) (a view)")
