@@ -34,8 +34,12 @@ NODES_PREFIX = "launch"
 NODES_CONNECT_SECONDS = 120.0
 #: seconds between two looks at whether another node's rank failed
 NODES_POLL_SECONDS = 0.2
-#: seconds node 0 keeps the rendezvous up for the other nodes after its own ranks ended
-NODES_EXIT_SECONDS = 300.0
+#: seconds between two signs of life of a launcher in the store
+NODES_BEAT_SECONDS = 1.0
+#: seconds without a sign of life after which node 0 stops waiting for a node's launcher
+NODES_STALE_SECONDS = 30.0
+#: seconds node 0 waits, at the end of an elastic job, for the others to read its totals
+NODES_ACK_SECONDS = 10.0
 
 
 def _run_loop(coro: Any) -> Any:
@@ -210,6 +214,8 @@ class _Launcher:
         self.elastic = elastic
         self.restarts_left = max_restarts
         self.succeeded = 0
+        #: elastic: replacements started so far (their labels come after every node's ranks)
+        self.replacements = 0
         #: elastic: processes that exited after leaving the job (not counted as succeeded)
         self.left = 0
         #: the rendezvous server's store once it runs (elastic: where leavers say so)
@@ -233,9 +239,9 @@ class _Launcher:
         #: per output (sys.stdout, sys.stderr), where the ranks' lines go
         self.screens: dict[Any, _Screen] = {}
 
-    def env(self, rank: int, rdv_port: int) -> dict[str, str]:
+    def env(self, rank: int, rdv_port: int, local: int) -> dict[str, str]:
         env = dict(os.environ)
-        world, local = self.n * self.nnodes, rank - self.node_rank * self.n
+        world = self.n * self.nnodes
         env.update({
             "ASYNCCOLL_RANK": str(rank), "RANK": str(rank),
             "ASYNCCOLL_LOCAL_RANK": str(local), "LOCAL_RANK": str(local),
@@ -259,10 +265,11 @@ class _Launcher:
             env["ASYNCCOLL_MAX_NODES"] = str(self.elastic[1])
         return env
 
-    async def spawn(self, rank: int, rdv_port: int) -> None:
-        """Start the process labelled ``rank`` and watch it."""
+    async def spawn(self, rank: int, rdv_port: int, local: int) -> None:
+        """Start the process labelled ``rank``, the ``local``-th of this node, and watch it."""
         proc = await asyncio.create_subprocess_exec(
-            *self.command, env=self.env(rank, rdv_port), stdin=asyncio.subprocess.DEVNULL,
+            *self.command, env=self.env(rank, rdv_port, local),
+            stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, limit=1 << 20)
         assert proc.stdout is not None and proc.stderr is not None
@@ -270,7 +277,8 @@ class _Launcher:
                                 self._pump(rank, proc.stderr, sys.stderr))
         self.procs.append(proc)
         self.outputs.append(output)
-        self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, output, rdv_port)))
+        self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, output, rdv_port,
+                                                               local)))
 
     async def _pump(self, rank: int, stream: asyncio.StreamReader, out: Any) -> None:
         """Copy ``stream`` to ``out``, each line prefixed with ``[rank] ``, and each redraw
@@ -369,11 +377,11 @@ class _Launcher:
                 os.close(null)
 
     async def _watch(self, rank: int, proc: asyncio.subprocess.Process,
-                     output: asyncio.Future[Any], rdv_port: int) -> None:
+                     output: asyncio.Future[Any], rdv_port: int, local: int) -> None:
         """Act on the exit of ``proc`` as soon as it exits (not once its output is closed:
         children it started may hold that open), then wait for the end of its output."""
         code = await proc.wait()
-        if code == 0 and self._has_left(rank, proc.pid):
+        if code == 0 and await self._has_left(rank, proc.pid):
             self.left += 1
             self._say(f"asynccoll run: rank {rank} left the job; the others go on\n")
         elif code == 0:
@@ -385,10 +393,12 @@ class _Launcher:
             log.info("rank %d exited with %s; the others go on", rank, code)
             if self.restarts_left > 0 and not self.interrupted:
                 self.restarts_left -= 1
-                label = len(self.procs)
+                # labels no other node's process has: after every node's ranks, then in turns
+                label = self.n * self.nnodes + self.replacements * self.nnodes + self.node_rank
+                self.replacements += 1
                 self._say(f"asynccoll run: rank {rank} exited with code {code}; "
                           f"starting a replacement as [{label}]\n")
-                await self.spawn(label, rdv_port)
+                await self.spawn(label, rdv_port, local)   # (in its place: its GPU, say)
             else:
                 self._say(f"asynccoll run: rank {rank} exited with code {code}; "
                           f"the others go on\n")
@@ -456,51 +466,129 @@ class _Launcher:
             return False
         return True
 
-    async def _end_nodes(self, ok: bool) -> None:
-        """Several nodes, once this node's ranks ended: say so; node 0 keeps the rendezvous
-        up until every node's ranks ended (or one failed), for at most NODES_EXIT_SECONDS."""
-        if self.client is None:
-            return
-        with contextlib.suppress(Exception):
-            if ok:
-                await self.client.set(f"{NODES_PREFIX}/done/{self.node_rank}", b"1")
-            if self.node_rank != 0:
-                return
+    async def _heartbeat(self) -> None:
+        """Several nodes: a sign of life in the store every NODES_BEAT_SECONDS, until this
+        node's ranks ended (node 0 stops waiting for a launcher that gave none for
+        NODES_STALE_SECONDS: killed, or its machine gone)."""
+        key = f"{NODES_PREFIX}/alive/{self.node_rank}"
+        beat = 0
+        while True:
+            beat += 1
+            with contextlib.suppress(Exception):  # (node 0's rendezvous is gone: said elsewhere)
+                await self.client.set(key, str(beat))
+            await asyncio.sleep(NODES_BEAT_SECONDS)
+
+    async def _end_nodes(self) -> tuple[int, int] | None:
+        """Several nodes, once this node's ranks ended: say so in the store, elastic with how
+        many of its processes succeeded and left. Node 0 keeps the rendezvous up until every
+        node's ranks ended (see ``_wait_for_nodes``); elastic, it then publishes the job's
+        totals, which the other nodes wait for. Returns those totals, (succeeded, left), for
+        an elastic job (None: one node, or node 0's rendezvous is gone)."""
+        c = self.client
+        if c is None:
+            return None
+        try:
+            if self.elastic is not None:
+                await c.add(f"{NODES_PREFIX}/succeeded", self.succeeded)
+                await c.add(f"{NODES_PREFIX}/left", self.left)
+            if self.elastic is not None or (self.first_failure is None
+                                             and not self.interrupted):
+                await c.set(f"{NODES_PREFIX}/done/{self.node_rank}", b"1")
+            if self.node_rank == 0:
+                ended = await self._wait_for_nodes()
+                if self.elastic is None:
+                    return None
+                totals = (int(await c.get(f"{NODES_PREFIX}/succeeded", wait=False)),
+                          int(await c.get(f"{NODES_PREFIX}/left", wait=False)))
+                await c.set(f"{NODES_PREFIX}/totals", f"{totals[0]} {totals[1]}")
+                # (until the others read them: closing the rendezvous would cut them off)
+                for _ in range(int(NODES_ACK_SECONDS / (NODES_POLL_SECONDS / 4))):
+                    if await c.add(f"{NODES_PREFIX}/read", 0) >= ended:
+                        break
+                    await asyncio.sleep(NODES_POLL_SECONDS / 4)
+                return totals
+            if self.elastic is None:
+                return None
             loop = asyncio.get_running_loop()
-            began = loop.time()
-            deadline = began + NODES_EXIT_SECONDS
-            said = False
-            while loop.time() < deadline:
-                waiting = []
-                for k in range(1, self.nnodes):
-                    try:
-                        await self.client.get(f"{NODES_PREFIX}/done/{k}", wait=False)
-                    except KeyError:
-                        waiting.append(k)
-                if not waiting:
-                    return
+            began, said = loop.time(), False
+            while True:  # (node 0's launcher answers once every node's processes ended)
                 try:
-                    await self.client.get(f"{NODES_PREFIX}/failed", wait=False)
-                    return
+                    succeeded, left = (await c.get(f"{NODES_PREFIX}/totals",
+                                                   wait=False)).split()
                 except KeyError:
                     pass
+                else:
+                    await c.add(f"{NODES_PREFIX}/read", 1)
+                    return int(succeeded), int(left)
                 if not said and loop.time() - began > 2.0:
                     said = True
-                    self._say(f"asynccoll run: keeping the rendezvous up until node(s) "
-                              f"{', '.join(map(str, waiting))} end (at most "
-                              f"{NODES_EXIT_SECONDS:g} s)\n")
+                    self._say("asynccoll run: this node's processes ended; waiting for the "
+                              "other nodes' (the job's result comes from node 0)\n")
                 await asyncio.sleep(NODES_POLL_SECONDS)
-            self._say("asynccoll run: the other nodes did not end in time; closing the "
-                      "rendezvous\n")
+        except Exception as exc:
+            self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
+            return None
 
-    def _has_left(self, rank: int, pid: int) -> bool:
+    async def _wait_for_nodes(self) -> int:
+        """Node 0: keep the rendezvous up until every other node's ranks ended, or (not
+        elastic) a rank failed somewhere, not waiting for a launcher that gave no sign of
+        life for NODES_STALE_SECONDS. Returns how many other nodes' ranks ended."""
+        c = self.client
+        loop = asyncio.get_running_loop()
+        began, said = loop.time(), False
+        seen: dict[int, tuple[bytes | None, float]] = {}  # node: (last beat, when it changed)
+        gone: set[int] = set()
+        while True:
+            now, waiting = loop.time(), []
+            for k in sorted(set(range(1, self.nnodes)) - gone):
+                try:
+                    await c.get(f"{NODES_PREFIX}/done/{k}", wait=False)
+                    continue
+                except KeyError:
+                    pass
+                try:
+                    beat: bytes | None = await c.get(f"{NODES_PREFIX}/alive/{k}", wait=False)
+                except KeyError:
+                    beat = None
+                last = seen.get(k)
+                if last is None or last[0] != beat:
+                    seen[k] = (beat, now)
+                elif now - last[1] > NODES_STALE_SECONDS:
+                    gone.add(k)
+                    self._say(f"asynccoll run: node {k}'s launcher gave no sign of life for "
+                              f"{NODES_STALE_SECONDS:g} s; not waiting for it\n")
+                    continue
+                waiting.append(k)
+            if not waiting:
+                return self.nnodes - 1 - len(gone)
+            if self.elastic is None:
+                try:
+                    await c.get(f"{NODES_PREFIX}/failed", wait=False)
+                    return 0  # the job failed: nobody needs the rendezvous any more
+                except KeyError:
+                    pass
+            if not said and now - began > 2.0:
+                said = True
+                self._say(f"asynccoll run: keeping the rendezvous up until the ranks of node(s) "
+                          f"{', '.join(map(str, waiting))} end\n")
+            await asyncio.sleep(NODES_POLL_SECONDS)
+
+    async def _has_left(self, rank: int, pid: int) -> bool:
         """Whether the process labelled ``rank`` left the elastic job (``ElasticGroup.leave``
         says so in the store) rather than finished its work."""
-        if self.elastic is None or self.store is None:
+        if self.elastic is None:
             return False
         from .elastic import PREFIX
 
-        return bool(self.store.data.get(f"{PREFIX}/left/{rank}") == str(pid).encode())
+        key = f"{PREFIX}/left/{rank}"
+        if self.store is not None:
+            return bool(self.store.data.get(key) == str(pid).encode())
+        if self.client is None:
+            return False
+        try:
+            return bool(await self.client.get(key, wait=False) == str(pid).encode())
+        except Exception:  # not there (KeyError), or node 0's rendezvous is gone
+            return False
 
     def _signal_all(self, sig: int) -> None:
         """Send ``sig`` to the process group of every rank that runs, or that has exited
@@ -565,12 +653,11 @@ class _Launcher:
             if sig is not None:
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.add_signal_handler(sig, on_interrupt)
-        nodes = (asyncio.ensure_future(self._watch_nodes()) if self.client is not None
-                 else None)
+        nodes = ([asyncio.ensure_future(self._watch_nodes()),
+                  asyncio.ensure_future(self._heartbeat())] if self.client is not None else [])
         try:
-            first = self.node_rank * self.n
-            for rank in range(first, first + self.n):
-                await self.spawn(rank, rdv_port)
+            for local in range(self.n):
+                await self.spawn(self.node_rank * self.n + local, rdv_port, local)
             interrupt = asyncio.ensure_future(interrupted.wait())
             # (the list grows when an elastic run starts a replacement)
             while not interrupt.done() and not all(w.done() for w in self.watchers):
@@ -593,15 +680,17 @@ class _Launcher:
         finally:
             if any(p.returncode is None for p in self.procs):
                 await self.stop()
-            if nodes is not None:
-                nodes.cancel()
-                await asyncio.gather(nodes, return_exceptions=True)
-        await self._end_nodes(ok=self.first_failure is None and not self.interrupted)
+            for task in nodes:
+                task.cancel()
+            await asyncio.gather(*nodes, return_exceptions=True)
+        totals = await self._end_nodes()
         if self.elastic is not None:
-            if self.succeeded < self.elastic[0]:
-                left = f" ({self.left} left the job)" if self.left else ""
-                self._say(f"asynccoll run: only {self.succeeded} processes succeeded, "
-                          f"fewer than --min-nodes {self.elastic[0]}{left}\n")
+            succeeded, left = totals if totals is not None else (self.succeeded, self.left)
+            if succeeded < self.elastic[0]:
+                where = " on all nodes" if totals is not None else ""
+                gone = f" ({left} left the job)" if left else ""
+                self._say(f"asynccoll run: only {succeeded} processes succeeded{where}, "
+                          f"fewer than --min-nodes {self.elastic[0]}{gone}\n")
                 return 1
             return 0
         if self.first_failure is not None:
@@ -627,13 +716,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         command = [sys.executable, *args.script]
     token = args.token or os.environ.get("ASYNCCOLL_TOKEN") or secrets.token_hex(16)
+    if args.nnodes < 1:
+        sys.stderr.write(f"asynccoll run: --nnodes must be >= 1, got {args.nnodes}\n")
+        return 2
     elastic = None
     if args.elastic or args.min_nodes is not None or args.max_nodes is not None:
+        total = args.n * args.nnodes  # (processes, on every node: not machines)
         lo = args.min_nodes if args.min_nodes is not None else 1
-        hi = args.max_nodes if args.max_nodes is not None else max(args.n, lo)
-        if not 1 <= lo <= hi or args.n > hi:
+        hi = args.max_nodes if args.max_nodes is not None else max(total, lo)
+        if not 1 <= lo <= hi or total > hi:
             sys.stderr.write(f"asynccoll run: need 1 <= --min-nodes ({lo}) <= --max-nodes "
-                             f"({hi}) and -n ({args.n}) <= --max-nodes\n")
+                             f"({hi}) and -n ({args.n}) x --nnodes ({args.nnodes}) <= "
+                             f"--max-nodes\n")
             return 2
         elastic = (lo, hi)
     elif args.max_restarts:
@@ -642,9 +736,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         sys.stderr.write(f"asynccoll run: --max-restarts must be >= 0, "
                          f"got {args.max_restarts}\n")
-        return 2
-    if args.nnodes < 1:
-        sys.stderr.write(f"asynccoll run: --nnodes must be >= 1, got {args.nnodes}\n")
         return 2
     if args.nnodes > 1:
         problem = None
@@ -657,8 +748,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         elif not (args.token or os.environ.get("ASYNCCOLL_TOKEN")):
             problem = ("--nnodes > 1 needs a token shared by every node: set ASYNCCOLL_TOKEN "
                        "(or --token)")
-        elif elastic is not None:
-            problem = "--elastic does not support --nnodes > 1 yet"
         if problem:
             sys.stderr.write(f"asynccoll run: {problem}\n")
             return 2
