@@ -92,10 +92,20 @@ def _all_gather_wire_bytes(comm: Communicator, nbytes: int) -> int:
 
 async def _gather_pair(comm: Communicator, a: np.ndarray, b: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray]:
-    """Two all_gathers in flight at once (a failure in one cancels the other)."""
-    async with asyncio.TaskGroup() as tg:
-        ta = tg.create_task(comm.all_gather(a))
-        tb = tg.create_task(comm.all_gather(b))
+    """Two all_gathers in flight at once (a failure in one cancels the other).
+
+    Raises the error of the first one that failed, as one all_gather would (a
+    ``CollectiveError``...), never the ``ExceptionGroup`` of both: when a rank fails, both
+    gathers usually fail on the others."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            ta = tg.create_task(comm.all_gather(a))
+            tb = tg.create_task(comm.all_gather(b))
+    except BaseExceptionGroup as group:
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
     return ta.result(), tb.result()
 
 
