@@ -4,6 +4,7 @@ Communicator's errors (``CollectiveError`` / ``PeerLostError``), at once, never 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 from conftest import run_world
 
-from asynccoll import Communicator
+from asynccoll import CollectiveError, Communicator
 from asynccoll.parallel import MLP, SGD, DistributedModel, Hooks
+from asynccoll.parallel.mesh import Mesh
+from asynccoll.parallel.tensor import TensorParallelMLP
 
 SIZES = [5, 7, 4, 3]
 #: the communicators' timeout: a rank that raised only at it was not told of the failure
@@ -67,3 +70,36 @@ async def test_compressed_exchange_raises_collective_error_not_a_group(backend: 
     for name, took in got[1:]:
         assert name == "CollectiveError", got
         assert took < TIMEOUT / 2, got
+
+
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+async def test_a_failed_pass_breaks_the_model_parallel_groups(backend: str) -> None:
+    """``DistributedModel`` over a tensor-parallel model with a data group of one rank
+    (``Mesh.create(comm, tensor=2)``): a rank whose model raised broke only its data group,
+    which has no peer, and the other tensor rank waited in its all_reduce for the timeout
+    while the failed rank went on living (it caught the error)."""
+
+    async def rank(comm: Communicator) -> tuple[str, float]:
+        mesh = await Mesh.create(comm, tensor=2)
+        tp = TensorParallelMLP(SIZES, mesh.tensor, seed=0)
+        dist = DistributedModel(tp, mesh.data, SGD(lr=0.1))
+        await dist.step(_batch(0))
+        start = time.monotonic()
+        if comm.rank == 1:
+            async def fail(x: np.ndarray, hooks: Hooks | None = None) -> list[np.ndarray]:
+                raise RuntimeError("the model failed")
+            tp.forward = fail  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="the model failed"):
+                await dist.step(_batch(1))
+            await asyncio.sleep(TIMEOUT * 0.75)   # alive, its communicator open
+            return "caught", 0.0
+        try:
+            await dist.step(_batch(1))
+        except CollectiveError as exc:
+            return type(exc).__name__, time.monotonic() - start
+        return "no error", time.monotonic() - start
+
+    (name, took), caught = await run_world(rank, 2, backend, timeout=TIMEOUT)
+    assert caught[0] == "caught"
+    assert name == "CollectiveError", (name, took)
+    assert took < TIMEOUT / 2, (name, took)

@@ -343,8 +343,12 @@ class DistributedModel:
         except (Exception, asyncio.CancelledError):
             # this rank failed, perhaps outside any exchange (its model raised, or the pass
             # was cancelled while it computed): the other ranks would wait for its gradients
-            # until the timeout, so the communicator is broken for them to raise at once
+            # until the timeout, so the communicator is broken for them to raise at once;
+            # and the groups holding the model's other parts (pipe, tensor), whose ranks wait
+            # for its activations: the data group alone has no peer when it has one rank
             await break_comm(self.comm)
+            for group in self.model.model_parallel_groups():
+                await break_comm(group.comm)
             raise
         finally:
             pending, self._pending = self._pending, []
