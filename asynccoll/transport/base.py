@@ -793,7 +793,13 @@ class Transport(abc.ABC):
     def abort(self, exc: CollectiveError, *, notify: bool = True,
               scope: Scope | None = None) -> None:
         """Break the world from collective ``scope`` on (all of it when ``None``): fail the
-        receives that can no longer complete with ``exc`` and tell the other ranks."""
+        receives that can no longer complete with ``exc`` and tell the other ranks.
+
+        A ``PeerLostError`` breaks all of it, whatever ``scope`` says: the other ranks take
+        it so (``error_from_abort``), and would fail the earlier collectives this rank still
+        waits in."""
+        if isinstance(exc, PeerLostError):
+            scope = None
         if not self.mailbox.fail(exc, scope):
             return
         log.debug("rank %d aborts (scope %s): %s", self.rank, scope, exc)
