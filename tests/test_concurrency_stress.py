@@ -153,13 +153,15 @@ def _op(rng: random.Random, dtype: str) -> ReduceOp:
 
 
 def make_schedule(seed: int, world_size: int, *, batches: int = 6, per_batch: int = 6,
-                  cap: int | None = None, kinds: list[str] | None = None) -> Schedule:
-    """A random schedule for ``world_size`` ranks, the same for the same arguments."""
+                  cap: int | None = None, kinds: list[str] | None = None,
+                  long: bool = bool(LONG)) -> Schedule:
+    """A random schedule for ``world_size`` ranks, the same for the same arguments
+    (``long``: with the long mode's larger arrays)."""
     rng = random.Random(seed * 1_000_003 + world_size)
     tuning_name = rng.choice(sorted(TUNINGS))
     t = TUNINGS[tuning_name]
     if cap is None:
-        cap = (4 << 20 if LONG else 256 << 10) if tuning_name in ("default", "tree") else 1024
+        cap = (4 << 20 if long else 256 << 10) if tuning_name in ("default", "tree") else 1024
     sched = Schedule(world_size, tuning_name)
     # groups: up to 2 waves; the first has subsets of the world, the second may nest
     sizes = {0: world_size}
@@ -515,10 +517,10 @@ def test_random_schedule_processes(seed: int, world_size: int) -> None:
         assert f"[{r}] STRESS OK rank {r}" in out, out
 
 
-def _fault_case(seed: int, kind: str) -> tuple[Schedule, Fault]:
+def _fault_case(seed: int, kind: str, long: bool = bool(LONG)) -> tuple[Schedule, Fault]:
     rng = random.Random(seed)
     world_size = 2 + seed % 3
-    sched = make_schedule(seed, world_size, batches=4, per_batch=6)
+    sched = make_schedule(seed, world_size, batches=4, per_batch=6, long=long)
     # the fault strikes in batch 2 of 4, on a rank that has calls there
     batch = 2
     ranks = [r for r in range(world_size)
@@ -562,11 +564,12 @@ def test_cancelled_call_fails_every_rank(backend: str, seed: int) -> None:
 
 @pytest.mark.parametrize("backend", ["memory", "tcp"])
 @pytest.mark.parametrize("seed", seeds([41, 42, 43, 44]))
-def test_rank_closing_mid_schedule_fails_every_rank(backend: str, seed: int) -> None:
+def test_rank_closing_mid_schedule_fails_every_rank(backend: str, seed: int,
+                                                     long: bool = bool(LONG)) -> None:
     """One rank closes its world communicator with calls in flight: no wrong result, no
-    hang; the closer's later calls raise CommunicatorClosedError, every other rank's
-    PeerLostError naming the closer (or a CollectiveError relaying it)."""
-    sched, fault = _fault_case(seed, "close")
+    hang; the closer's calls raise CommunicatorClosedError, every other rank's
+    PeerLostError naming the closer."""
+    sched, fault = _fault_case(seed, "close", long)
     start = time.monotonic()
     outcomes = run_schedule_local(sched, backend, fault)
     assert time.monotonic() - start < 15
@@ -633,6 +636,17 @@ async def test_a_lost_peer_fails_the_earlier_calls_in_flight_too(backend: str) -
     async with asyncio.timeout(15):
         assert await asynccoll.run_local(fn, 4, backend, timeout=20.0) == [
             "raised", "raised", "raised", "closed"]
+
+
+@pytest.mark.parametrize("seed", [1060, 1075])
+def test_a_rank_closing_under_threaded_all_reduces_is_a_peer_loss_everywhere(seed: int
+                                                                             ) -> None:
+    """In process, large direct all_reduces copy into their receivers in worker threads; a
+    receiver that failed stopped those copies with a plain CollectiveError ('world rank 2
+    gave up: ...'), so the writing rank raised that instead of the PeerLostError naming the
+    rank that closed (two schedules of the long mode where this happened, every time: the
+    closer's calls in flight, or a peer that lost it, failed the copies)."""
+    test_rank_closing_mid_schedule_fails_every_rank("memory", seed, long=True)
 
 
 # ---------------------------------------------------------------- the process program

@@ -324,7 +324,17 @@ class MemoryTransport(Transport):
     def abort(self, exc: CollectiveError, *, notify: bool = True,
               scope: tuple[int, int] | None = None) -> None:
         super().abort(exc, notify=notify, scope=scope)
-        self._stop_writers(CollectiveError(f"world rank {self.rank} gave up: {exc}"))
+        # the writers' ranks raise this: a lost peer stays a PeerLostError naming it (this
+        # rank, when it closed), as the ABORT frame relays it to the others
+        gave_up = f"world rank {self.rank} gave up: {exc}"
+        if self._closed:
+            stop: CollectiveError = PeerLostError(
+                f"world rank {self.rank} closed its communicator", rank=self.rank)
+        elif isinstance(exc, PeerLostError):
+            stop = PeerLostError(gave_up, rank=exc.rank)
+        else:
+            stop = CollectiveError(gave_up)
+        self._stop_writers(stop)
 
     def _stop_writers(self, exc: CollectiveError) -> None:
         """Fail the peers' jobs that copy into receives this rank gave up (a failed or
