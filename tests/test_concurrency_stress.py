@@ -368,7 +368,8 @@ async def run_op(c: Communicator, op: Op) -> str:
 class Fault:
     """What one rank (``rank``, a world rank) does to the schedule in batch ``batch``.
 
-    ``cancel``: cancel its ``index``-th call of that batch after ``delay`` seconds;
+    ``cancel``: cancel one of its calls of that batch still running after ``delay`` seconds
+    (the ``index``-th, counting round);
     ``close``: close its world communicator after ``delay`` seconds, calls in flight;
     ``close_group``: close its communicator of group ``index`` after ``delay`` seconds (the
     schedule then leaves that group alone: ``drop_group``)."""
@@ -437,9 +438,9 @@ async def strike(fault: Fault, comms: dict[int, Communicator | None],
                  tasks: list[asyncio.Task[str]], out: Outcome) -> None:
     await asyncio.sleep(fault.delay)
     if fault.kind == "cancel":
-        if tasks:
-            task = tasks[fault.index % len(tasks)]
-            out.fault_hit = task.cancel()
+        running = [t for t in tasks if not t.done()]
+        if running:
+            out.fault_hit = running[fault.index % len(running)].cancel()
     elif fault.kind == "close":
         out.fault_hit = any(not t.done() for t in tasks)
         await comms[0].close()  # type: ignore[union-attr]
@@ -478,7 +479,7 @@ def seeds(quick: list[int]) -> list[int]:
     return list(range(1000, 1000 + LONG)) if LONG else quick
 
 
-@pytest.mark.parametrize("seed", seeds([1, 2, 3, 4, 5, 6, 7, 8]))
+@pytest.mark.parametrize("seed", seeds(list(range(1, 17))))
 def test_random_schedule_memory(seed: int) -> None:
     """Random schedules of concurrent calls on the world and random groups, in process:
     every result exactly NumPy's."""
@@ -487,7 +488,7 @@ def test_random_schedule_memory(seed: int) -> None:
     assert check_clean(run_schedule_local(sched, "memory")) > 0
 
 
-@pytest.mark.parametrize("seed", seeds([11, 12, 13]))
+@pytest.mark.parametrize("seed", seeds([11, 12, 13, 14, 15]))
 def test_random_schedule_tcp(seed: int) -> None:
     """The same over loopback sockets (run_local, backend tcp)."""
     world_size = 2 + seed % 3
@@ -502,7 +503,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(("seed", "world_size"), [(21, 3)] if not LONG else
+@pytest.mark.parametrize(("seed", "world_size"), [(21, 3), (22, 2), (23, 4)] if not LONG else
                          [(s, 2 + s % 3) for s in range(2000, 2000 + max(1, LONG // 20))])
 def test_random_schedule_processes(seed: int, world_size: int) -> None:
     """A schedule between real processes (``asynccoll run``): every rank checks its
@@ -531,11 +532,11 @@ def _fault_case(seed: int, kind: str, long: bool = bool(LONG)) -> tuple[Schedule
         members = [(r, g) for g in range(1, len(sched.groups) + 1)
                    for r in sched.world_ranks(g)]
         rank, index = rng.choice(members) if members else (0, -1)
-    return sched, Fault(kind, rank, batch, index, rng.choice((0.0, 0.0, 0.0005, 0.002, 0.01)))
+    return sched, Fault(kind, rank, batch, index, rng.choice((0.0, 0.0, 0.0, 0.0005, 0.002)))
 
 
 @pytest.mark.parametrize("backend", ["memory", "tcp"])
-@pytest.mark.parametrize("seed", seeds([31, 32, 33, 34, 35]))
+@pytest.mark.parametrize("seed", seeds(list(range(31, 39))))
 def test_cancelled_call_fails_every_rank(backend: str, seed: int) -> None:
     """One rank cancels one of its calls in flight: that call raises CancelledError there;
     no call anywhere returns a wrong result or hangs; every rank's later calls and the
@@ -563,7 +564,7 @@ def test_cancelled_call_fails_every_rank(backend: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("backend", ["memory", "tcp"])
-@pytest.mark.parametrize("seed", seeds([41, 42, 43, 44]))
+@pytest.mark.parametrize("seed", seeds(list(range(41, 49))))
 def test_rank_closing_mid_schedule_fails_every_rank(backend: str, seed: int,
                                                      long: bool = bool(LONG)) -> None:
     """One rank closes its world communicator with calls in flight: no wrong result, no
@@ -590,7 +591,7 @@ def test_rank_closing_mid_schedule_fails_every_rank(backend: str, seed: int,
 
 
 @pytest.mark.parametrize("backend", ["memory", "tcp"])
-@pytest.mark.parametrize("seed", seeds([51, 52, 53]))
+@pytest.mark.parametrize("seed", seeds(list(range(51, 57))))
 def test_group_closed_while_the_world_goes_on(backend: str, seed: int) -> None:
     """A member closes a group with its calls in flight, and nobody calls that group again:
     closing a group closes nothing underneath, so its calls in flight and every other
@@ -598,6 +599,32 @@ def test_group_closed_while_the_world_goes_on(backend: str, seed: int) -> None:
     sched, fault = _fault_case(seed, "close_group")
     outcomes = run_schedule_local(sched, backend, fault)
     check_clean(outcomes)
+
+
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+async def test_a_closed_group_used_again_fails_its_members(backend: str) -> None:
+    """A member closes a group and then calls a collective on it: CommunicatorClosedError
+    there, at once, nothing sent; the other members, which called it too, wait for that rank
+    like for any rank that never calls: CollectiveTimeout after the timeout (the backstop
+    docs/concepts.md names), never a hang."""
+    async def fn(comm: Communicator) -> tuple[str, float]:
+        group = await comm.new_group([2, 0, 1])
+        assert group is not None
+        if comm.rank == 2:
+            await group.close()
+        start = time.monotonic()
+        try:
+            await group.all_reduce(np.ones(5))
+        except CommunicatorClosedError:
+            outcome = "closed"
+        except CollectiveTimeout:
+            outcome = "timeout"
+        return outcome, time.monotonic() - start
+
+    async with asyncio.timeout(10):
+        got = await asynccoll.run_local(fn, 3, backend, timeout=0.4)
+    assert [o for o, _ in got] == ["timeout", "timeout", "closed"]
+    assert got[2][1] < 0.1 and all(0.3 < t < 2 for _, t in got[:2]), got
 
 
 # ------------------------------------------------------------------- focused regressions
