@@ -40,6 +40,9 @@ NODES_BEAT_SECONDS = 1.0
 NODES_STALE_SECONDS = 30.0
 #: seconds node 0 waits, at the end of an elastic job, for the others to read its totals
 NODES_ACK_SECONDS = 10.0
+#: seconds a launcher waits for an answer of node 0's rendezvous before it counts it lost
+#: (node 0 counts a silent launcher out after as long: NODES_STALE_SECONDS)
+NODES_CALL_SECONDS = NODES_STALE_SECONDS
 
 
 def _run_loop(coro: Any) -> Any:
@@ -195,8 +198,45 @@ class _Tagger:
         return b"".join(parts)
 
 
+def _parent_death_signal() -> Any:
+    """Linux: a ``preexec_fn`` for a rank's process that has the kernel SIGKILL it when the
+    launcher dies (``prctl(PR_SET_PDEATHSIG)``), since a launcher killed with SIGKILL cannot
+    stop its ranks; None elsewhere, or where the call is not available."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # it died before that: too late to be told
+            os._exit(1)
+
+    return die_with_launcher
+
+
 #: Variables that size BLAS / OpenMP thread pools; ``run`` sets OMP_NUM_THREADS if none is set.
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _shape_text(shape: dict[str, Any]) -> str:
+    """A launcher's ``-n``, ``--nnodes`` and elastic settings, as on its command line."""
+    text = f"-n {shape['n']} --nnodes {shape['nnodes']}"
+    if shape.get("min_nodes") is None:
+        return text + " (not elastic)"
+    return text + f" --min-nodes {shape['min_nodes']} --max-nodes {shape['max_nodes']}"
+
+
+def _failure_text(failed: dict[str, Any]) -> str:
+    """What another node's launcher said went wrong (its record under ``launch/failed``)."""
+    if failed["rank"] is None:
+        return f"the launcher of node {failed['node']} was interrupted"
+    return f"rank {failed['rank']} (node {failed['node']}) exited with code {failed['code']}"
 
 
 class _Launcher:
@@ -210,6 +250,10 @@ class _Launcher:
         #: several nodes: the connection to the rendezvous through which the launchers tell
         #: each other that a rank failed, and that their ranks ended
         self.client: Any = None
+        #: several nodes: why node 0's rendezvous counts as lost (it stopped answering)
+        self.lost: str | None = None
+        #: node 0: the nodes whose launchers it stopped waiting for (no sign of life)
+        self.nodes_gone: set[int] = set()
         #: (min_nodes, max_nodes) in elastic mode: a failed rank does not stop the others
         self.elastic = elastic
         self.restarts_left = max_restarts
@@ -238,6 +282,9 @@ class _Launcher:
         self.closed_outputs: set[Any] = set()
         #: per output (sys.stdout, sys.stderr), where the ranks' lines go
         self.screens: dict[Any, _Screen] = {}
+        #: run in each rank's process before its program: the kernel kills it if this
+        #: launcher dies (SIGKILL, a crash), rather than leave it running unseen
+        self.die_with_launcher = _parent_death_signal()
 
     def env(self, rank: int, rdv_port: int, local: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -271,7 +318,7 @@ class _Launcher:
             *self.command, env=self.env(rank, rdv_port, local),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, limit=1 << 20)
+            start_new_session=True, limit=1 << 20, preexec_fn=self.die_with_launcher)
         assert proc.stdout is not None and proc.stderr is not None
         output = asyncio.gather(self._pump(rank, proc.stdout, sys.stdout),
                                 self._pump(rank, proc.stderr, sys.stderr))
@@ -421,37 +468,63 @@ class _Launcher:
 
         record = json.dumps({"node": self.node_rank, "rank": rank, "code": code})
         try:
-            await self.client.compare_set(f"{NODES_PREFIX}/failed", None, record)
+            await self._ask(self.client.compare_set(f"{NODES_PREFIX}/failed", None, record))
         except Exception as exc:  # node 0's launcher is gone: its ranks go with it
             log.warning("could not tell the other nodes that rank %s failed: %s", rank, exc)
 
     async def _watch_nodes(self) -> None:
         """Several nodes: stop this node's ranks as soon as another node says one of its
-        ranks failed (or its launcher was interrupted)."""
+        ranks failed (or its launcher was interrupted), or (not elastic) once node 0's
+        rendezvous is lost: its launcher is gone, and its ranks with it."""
         import json
 
         key = f"{NODES_PREFIX}/failed"
         while True:
             try:
-                value = await self.client.get(key, wait=False)
+                value = await self._ask(self.client.get(key, wait=False))
             except KeyError:
                 await asyncio.sleep(NODES_POLL_SECONDS)
                 continue
             except Exception as exc:
-                self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc}); this node's "
-                          f"ranks go on\n")
+                if self.elastic is not None or self.node_rank == 0:
+                    self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc}); this "
+                              f"node's processes go on\n")
+                elif self.first_failure is None and not self.stopping and not self.interrupted:
+                    # (nobody could tell this node that the job failed any more; node 0's
+                    # ranks die with their launcher)
+                    self.first_failure = (-1, 1)
+                    self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc}): its "
+                              f"launcher is gone; stopping this node's ranks\n")
+                    await self.stop()
                 return
             failed = json.loads(value)
             if failed["node"] == self.node_rank:
                 return  # ours: reported and acted on where it happened
-            rank, code = failed["rank"], int(failed["code"])
-            what = (f"the launcher of node {failed['node']} was interrupted" if rank is None
-                    else f"rank {rank} (node {failed['node']}) exited with code {code}")
+            code = int(failed["code"])
             if self.first_failure is None and not self.stopping and not self.interrupted:
-                self.first_failure = (-1 if rank is None else int(rank), code)
-                self._say(f"asynccoll run: {what}; stopping this node's ranks\n")
+                self.first_failure = (-1 if failed["rank"] is None else int(failed["rank"]),
+                                      code)
+                self._say(f"asynccoll run: {_failure_text(failed)}; stopping this node's "
+                          f"ranks\n")
                 await self.stop()
             return
+
+    async def _ask(self, call: Any) -> Any:
+        """Await a call to node 0's rendezvous, for at most NODES_CALL_SECONDS (a machine
+        cut off the network answers nothing): past that, the rendezvous counts as lost, and
+        every later call fails at once."""
+        from .errors import RendezvousError
+
+        if self.lost is not None:
+            call.close()
+            raise RendezvousError(self.lost)
+        try:
+            async with asyncio.timeout(NODES_CALL_SECONDS):
+                return await call
+        except TimeoutError:
+            self.lost = (f"no answer from the rendezvous at {self.addr}:{self.port} for "
+                         f"{NODES_CALL_SECONDS:g} s")
+            raise RendezvousError(self.lost) from None
 
     async def _connect_nodes(self) -> bool:
         """Several nodes: connect to node 0's rendezvous (waiting for it to start)."""
@@ -465,6 +538,63 @@ class _Launcher:
                       f"{self.addr}:{self.port} (node 0's launcher): {exc}\n")
             return False
         return True
+
+    async def _join_nodes(self) -> tuple[str, int] | None:
+        """Several nodes, before this node's ranks start: check this launcher against the
+        job in node 0's store. Node 0's launcher (the first to connect: it hosts the
+        rendezvous) records the job's shape, which every other node's must have. One
+        launcher at a time holds a node rank: another is refused while the holder shows
+        signs of life (one restarted after its predecessor died takes its place). A job that
+        failed already starts nothing more. Returns (what is wrong, the exit code), or None."""
+        import json
+
+        c = self.client
+        lo, hi = self.elastic if self.elastic is not None else (None, None)
+        mine = {"n": self.n, "nnodes": self.nnodes, "min_nodes": lo, "max_nodes": hi}
+        if self.node_rank == 0:
+            await self._ask(c.set(f"{NODES_PREFIX}/shape", json.dumps(mine)))
+        else:
+            theirs = json.loads(await self._ask(
+                c.get(f"{NODES_PREFIX}/shape", timeout=NODES_CALL_SECONDS / 2)))
+            if theirs != mine:
+                return (f"node {self.node_rank}'s launcher was started with "
+                        f"{_shape_text(mine)}, node 0's with {_shape_text(theirs)}: every "
+                        f"node needs the same -n, --nnodes, --min-nodes and --max-nodes", 2)
+        me = f"{c.local_address[0]}, pid {os.getpid()}"
+        key = f"{NODES_PREFIX}/node/{self.node_rank}"
+        swapped, holder = await self._ask(c.compare_set(key, None, me))
+        if not swapped:
+            # another launcher holds this node rank: still there if its heartbeat moves
+            beat = await self._beat(self.node_rank)
+            await asyncio.sleep(2.5 * NODES_BEAT_SECONDS)
+            if await self._beat(self.node_rank) == beat:
+                swapped, _ = await self._ask(c.compare_set(key, holder, me))
+            if not swapped:
+                who = holder.decode(errors="replace") if holder else "?"
+                return (f"--node-rank {self.node_rank} is taken: another launcher ({who}) "
+                        f"runs node {self.node_rank} of this job", 2)
+            log.info("node %d: took the place of a launcher that gave no sign of life (%s)",
+                     self.node_rank, holder)
+            await self._ask(c.delete(f"{NODES_PREFIX}/done/{self.node_rank}"))
+        if self.elastic is None:
+            try:
+                failed = json.loads(await self._ask(c.get(f"{NODES_PREFIX}/failed",
+                                                          wait=False)))
+            except KeyError:
+                return None
+            code = int(failed["code"])
+            self.first_failure = (-1, code)
+            return (f"the job failed already ({_failure_text(failed)}); not starting this "
+                    f"node's ranks", code if code > 0 else 128 - code)
+        return None
+
+    async def _beat(self, node: int) -> bytes | None:
+        """The last sign of life of ``node``'s launcher in the store (None: none yet)."""
+        try:
+            return bytes(await self._ask(self.client.get(f"{NODES_PREFIX}/alive/{node}",
+                                                         wait=False)))
+        except KeyError:
+            return None
 
     async def _heartbeat(self) -> None:
         """Several nodes: a sign of life in the store every NODES_BEAT_SECONDS, until this
@@ -489,11 +619,9 @@ class _Launcher:
             return None
         try:
             if self.elastic is not None:
-                await c.add(f"{NODES_PREFIX}/succeeded", self.succeeded)
-                await c.add(f"{NODES_PREFIX}/left", self.left)
-            if self.elastic is not None or (self.first_failure is None
-                                             and not self.interrupted):
-                await c.set(f"{NODES_PREFIX}/done/{self.node_rank}", b"1")
+                await self._ask(c.add(f"{NODES_PREFIX}/succeeded", self.succeeded))
+                await self._ask(c.add(f"{NODES_PREFIX}/left", self.left))
+            await self._ask(c.set(f"{NODES_PREFIX}/done/{self.node_rank}", b"1"))
             if self.node_rank == 0:
                 ended = await self._wait_for_nodes()
                 if self.elastic is None:
@@ -513,12 +641,12 @@ class _Launcher:
             began, said = loop.time(), False
             while True:  # (node 0's launcher answers once every node's processes ended)
                 try:
-                    succeeded, left = (await c.get(f"{NODES_PREFIX}/totals",
-                                                   wait=False)).split()
+                    succeeded, left = (await self._ask(c.get(f"{NODES_PREFIX}/totals",
+                                                             wait=False))).split()
                 except KeyError:
                     pass
                 else:
-                    await c.add(f"{NODES_PREFIX}/read", 1)
+                    await self._ask(c.add(f"{NODES_PREFIX}/read", 1))
                     return int(succeeded), int(left)
                 if not said and loop.time() - began > 2.0:
                     said = True
@@ -526,19 +654,32 @@ class _Launcher:
                               "other nodes' (the job's result comes from node 0)\n")
                 await asyncio.sleep(NODES_POLL_SECONDS)
         except Exception as exc:
-            self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
+            if self.first_failure != (-1, 1):  # (not said already: see _watch_nodes)
+                self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
             return None
 
     async def _wait_for_nodes(self) -> int:
-        """Node 0: keep the rendezvous up until every other node's ranks ended, or (not
-        elastic) a rank failed somewhere, not waiting for a launcher that gave no sign of
-        life for NODES_STALE_SECONDS. Returns how many other nodes' ranks ended."""
+        """Node 0: keep the rendezvous up until every other node's ranks ended, not waiting
+        for a launcher that gave no sign of life for NODES_STALE_SECONDS (``nodes_gone``).
+        Once the job failed (not elastic), or this launcher is interrupted, only the nodes
+        whose launchers connected are waited for: until they stopped their ranks, which they
+        do as soon as they read the failure here. Returns how many other nodes' ranks
+        ended."""
         c = self.client
         loop = asyncio.get_running_loop()
-        began, said = loop.time(), False
+        began, said, told = loop.time(), False, False
         seen: dict[int, tuple[bytes | None, float]] = {}  # node: (last beat, when it changed)
-        gone: set[int] = set()
+        gone = self.nodes_gone
         while True:
+            failed = self.interrupted
+            if self.interrupted and not told and self.first_failure is None:
+                told = True  # (interrupted after this node's ranks ended: the others stop)
+                await self._tell_nodes(None, 130)
+            if not failed and self.elastic is None:
+                try:
+                    failed = bool(await c.get(f"{NODES_PREFIX}/failed", wait=False))
+                except KeyError:
+                    pass
             now, waiting = loop.time(), []
             for k in sorted(set(range(1, self.nnodes)) - gone):
                 try:
@@ -546,10 +687,9 @@ class _Launcher:
                     continue
                 except KeyError:
                     pass
-                try:
-                    beat: bytes | None = await c.get(f"{NODES_PREFIX}/alive/{k}", wait=False)
-                except KeyError:
-                    beat = None
+                beat = await self._beat(k)
+                if beat is None and failed:
+                    continue  # never connected: it learns of the failure when it does
                 last = seen.get(k)
                 if last is None or last[0] != beat:
                     seen[k] = (beat, now)
@@ -561,12 +701,6 @@ class _Launcher:
                 waiting.append(k)
             if not waiting:
                 return self.nnodes - 1 - len(gone)
-            if self.elastic is None:
-                try:
-                    await c.get(f"{NODES_PREFIX}/failed", wait=False)
-                    return 0  # the job failed: nobody needs the rendezvous any more
-                except KeyError:
-                    pass
             if not said and now - began > 2.0:
                 said = True
                 self._say(f"asynccoll run: keeping the rendezvous up until the ranks of node(s) "
@@ -627,8 +761,20 @@ class _Launcher:
                 return 1
             self.store = server.store
         try:
-            if self.nnodes > 1 and not await self._connect_nodes():
-                return 1
+            if self.nnodes > 1:
+                if not await self._connect_nodes():
+                    return 1
+                try:
+                    refused = await self._join_nodes()
+                except Exception as exc:
+                    self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
+                    return 1
+                if refused is not None:
+                    why, code = refused
+                    self._say(f"asynccoll run: {why}\n")
+                    if code != 2:  # (the job failed: this node's part of it is over)
+                        await self._end_nodes()
+                    return code
             return await self._run(server.port if server is not None else self.port)
         finally:
             if self.client is not None:
@@ -674,16 +820,19 @@ class _Launcher:
                 except TimeoutError:
                     await self.stop(signal.SIGKILL)
                 await asyncio.gather(*self.watchers, return_exceptions=True)
-                return 130
-            interrupt.cancel()
-            await asyncio.gather(*self.watchers)
+            else:
+                interrupt.cancel()
+                await asyncio.gather(*self.watchers)
         finally:
             if any(p.returncode is None for p in self.procs):
                 await self.stop()
             for task in nodes:
                 task.cancel()
             await asyncio.gather(*nodes, return_exceptions=True)
+        # (node 0: until the other nodes' ranks ended, or know that they must)
         totals = await self._end_nodes()
+        if self.interrupted:
+            return 130
         if self.elastic is not None:
             succeeded, left = totals if totals is not None else (self.succeeded, self.left)
             if succeeded < self.elastic[0]:
@@ -696,6 +845,11 @@ class _Launcher:
         if self.first_failure is not None:
             code = self.first_failure[1]
             return code if code > 0 else 128 - code
+        if self.nodes_gone:
+            self._say(f"asynccoll run: the ranks of this node succeeded; those of node(s) "
+                      f"{', '.join(map(str, sorted(self.nodes_gone)))}, whose launcher "
+                      f"vanished, may not have\n")
+            return 1
         return 0
 
 

@@ -4,9 +4,11 @@ starts its node's ranks, and a rank that fails on any node stops the ranks of ev
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable
 
@@ -88,6 +90,94 @@ def test_interrupting_one_node_stops_every_node(reaper: Callable[..., Proc]) -> 
     assert_all_gone(first.child_pids() + second.child_pids())
 
 
+def test_a_rank_failing_on_node_0_stops_every_node(reaper: Callable[..., Proc]) -> None:
+    """Rank 0 (node 0) exits with code 3 while the others sleep. Node 0's launcher hosts the
+    rendezvous through which node 1's learns of it: it keeps it up until node 1 stopped its
+    ranks (it closed it at once, and node 1's ranks went on: 'lost the rendezvous of node 0;
+    this node's ranks go on')."""
+    port = free_fixed_port()
+    first = node(reaper, 0, port, "fail-first")
+    second = node(reaper, 1, port, "fail-first")
+    assert first.finish(45) == 3, first.output
+    assert second.finish(15) == 3, second.output
+    assert "rank 0 exited with code 3; stopping the others" in first.output, first.output
+    assert ("rank 0 (node 0) exited with code 3; stopping this node's ranks"
+            in second.output), second.output
+    assert "lost the rendezvous" not in first.output + second.output
+    assert_all_gone(first.child_pids() + second.child_pids())
+
+
+def test_interrupting_node_0_stops_every_node(reaper: Callable[..., Proc]) -> None:
+    """SIGTERM to node 0's launcher: node 1's launcher hears of it before node 0's
+    rendezvous closes, and stops its ranks (130 on both)."""
+    port = free_fixed_port()
+    first = node(reaper, 0, port, "sleep")
+    second = node(reaper, 1, port, "sleep")
+    for proc in (first, second):
+        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
+                             == 2, 45), proc.output
+    first.popen.send_signal(signal.SIGTERM)
+    assert first.finish(30) == 130, first.output
+    assert second.finish(15) == 130, second.output
+    assert "the launcher of node 0 was interrupted; stopping this node's ranks" in \
+        second.output, second.output
+    assert_all_gone(first.child_pids() + second.child_pids())
+
+
+def test_a_launcher_killed_takes_its_ranks_and_the_job_with_it(
+        reaper: Callable[..., Proc]) -> None:
+    """SIGKILL to node 0's launcher, which can stop nothing: the kernel kills its ranks
+    (they slept on, unseen), and node 1's launcher, which lost the rendezvous, stops its own
+    and exits 1 (its ranks went on)."""
+    port = free_fixed_port()
+    first = node(reaper, 0, port, "sleep")
+    second = node(reaper, 1, port, "sleep")
+    for proc in (first, second):
+        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
+                             == 2, 45), proc.output
+    first.popen.kill()
+    assert first.finish(10) == -signal.SIGKILL
+    assert_all_gone(first.child_pids())
+    assert second.finish(15) == 1, second.output
+    assert "lost the rendezvous of node 0" in second.output, second.output
+    assert "stopping this node's ranks" in second.output, second.output
+    assert_all_gone(second.child_pids())
+
+
+def test_a_second_launcher_for_a_node_rank_is_refused(reaper: Callable[..., Proc]) -> None:
+    """A launcher started with the --node-rank of one that runs is refused at once, starts
+    nothing, and leaves the job alone (its ranks joined the job's rendezvous and waited
+    there until node 0 gave up: 'closed the connection')."""
+    port = free_fixed_port()
+    first = node(reaper, 0, port, "sleep")
+    second = node(reaper, 1, port, "sleep")
+    for proc in (first, second):
+        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
+                             == 2, 45), proc.output
+    again = node(reaper, 1, port, "check")
+    assert again.finish(20) == 2, again.output
+    assert "--node-rank 1 is taken: another launcher (127.0.0.1, pid " in again.output, \
+        again.output
+    assert "PID" not in again.output
+    assert first.popen.poll() is None and second.popen.poll() is None
+    second.popen.send_signal(signal.SIGINT)
+    assert second.finish(30) == 130, second.output
+    assert first.finish(30) == 130, first.output
+
+
+def test_a_node_started_with_other_sizes_is_refused(reaper: Callable[..., Proc]) -> None:
+    """Node 1's launcher with -n 3 where node 0's has -n 2: refused before it starts a rank,
+    naming both (its ranks failed on a world size that did not match)."""
+    port = free_fixed_port()
+    first = node(reaper, 0, port, "check")
+    second = node(reaper, 1, port, "check", n=3)
+    assert second.finish(30) == 2, second.output
+    assert ("node 1's launcher was started with -n 3 --nnodes 2 (not elastic), node 0's "
+            "with -n 2 --nnodes 2 (not elastic)" in second.output), second.output
+    assert "PID" not in second.output
+    assert first.popen.poll() is None, first.output
+
+
 @pytest.mark.parametrize(("args", "env", "message"), [
     (["--nnodes", "2", "--port", "29500"], {}, "needs --node-rank"),
     (["--nnodes", "2", "--node-rank", "2", "--port", "29500"], {}, "--node-rank must be 0-1"),
@@ -148,3 +238,29 @@ def test_an_elastic_job_across_two_nodes(reaper: Callable[..., Proc]) -> None:
     got = re.findall(r"^\[(\d+)\] FINAL steps=300 size=3 rank=\d+ digest=(\w+)$", out, re.M)
     assert sorted(int(label) for label, _ in got) == [0, 1, 5], out
     assert len({d for _, d in got}) == 1, got
+
+
+async def test_node_0_fails_a_job_whose_other_launcher_vanished(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """Node 0's ranks succeed; node 1's launcher gave one sign of life and no more (killed,
+    or its machine gone): node 0 stops waiting for it, and exits 1, saying that node 1's
+    ranks may not have succeeded (it exited 0)."""
+    from asynccoll import cli
+    from asynccoll.rendezvous import RendezvousClient
+
+    monkeypatch.setattr(cli, "NODES_STALE_SECONDS", 1.0)
+    port = free_fixed_port()
+    first = cli._Launcher(1, [sys.executable, "-c", "pass"], addr="127.0.0.1", port=port,
+                          token="t", bind="127.0.0.1", nnodes=2, node_rank=0)
+    job = asyncio.ensure_future(first.main())
+    try:
+        async with await RendezvousClient.connect("127.0.0.1", port, token="t",
+                                                  timeout=10) as client:
+            await client.set("launch/alive/1", "1")
+            assert await asyncio.wait_for(asyncio.shield(job), 20) == 1
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+    err = capfd.readouterr().err
+    assert "node 1's launcher gave no sign of life for 1 s; not waiting for it" in err, err
+    assert "those of node(s) 1, whose launcher vanished, may not have" in err, err

@@ -7,6 +7,7 @@ MODE
     check   all_reduce the ranks and check the sum; print ``OK rank R of N``.
     fail    the last rank exits with code 3; the others sleep (in no collective, so only
             their launcher can stop them).
+    fail-first  the same, with rank 0 (on node 0) failing.
     sleep   every rank sleeps, until stopped.
 """
 
@@ -36,9 +37,9 @@ async def main(mode: str) -> None:
             await comm.all_reduce(x)
             assert x[0] == n * (n - 1) / 2, x
             print(f"OK rank {r} of {n}", flush=True)
-        elif mode == "fail" and r == n - 1:
+        elif (mode, r) in (("fail", n - 1), ("fail-first", 0)):
             os._exit(3)
-        elif mode in ("fail", "sleep"):
+        elif mode in ("fail", "fail-first", "sleep"):
             await asyncio.sleep(60)
 
 
