@@ -76,18 +76,24 @@ def test_a_rank_failing_on_one_node_stops_every_node(reaper: Callable[..., Proc]
     assert_all_gone(first.child_pids() + second.child_pids())
 
 
-def test_interrupting_one_node_stops_every_node(reaper: Callable[..., Proc]) -> None:
+@pytest.mark.parametrize(("which", "sig"), [(1, signal.SIGINT), (0, signal.SIGTERM)],
+                         ids=["node-1-ctrl-c", "node-0-sigterm"])
+def test_interrupting_one_node_stops_every_node(reaper: Callable[..., Proc], which: int,
+                                                sig: signal.Signals) -> None:
+    """Ctrl-C (or SIGTERM) to one launcher stops every node's ranks, 130 everywhere; node 0's
+    launcher keeps its rendezvous up until node 1's heard of it."""
     port = free_fixed_port()
-    first = node(reaper, 0, port, "sleep")
-    second = node(reaper, 1, port, "sleep")
-    for proc in (first, second):
+    procs = [node(reaper, k, port, "sleep") for k in (0, 1)]
+    for proc in procs:
         assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
                              == 2, 45), proc.output
-    second.popen.send_signal(signal.SIGINT)
-    assert second.finish(30) == 130, second.output
-    assert first.finish(30) == 130, first.output
-    assert "the launcher of node 1 was interrupted" in first.output, first.output
-    assert_all_gone(first.child_pids() + second.child_pids())
+    procs[which].popen.send_signal(sig)
+    assert procs[which].finish(30) == 130, procs[which].output
+    other = procs[1 - which]
+    assert other.finish(15) == 130, other.output
+    assert (f"the launcher of node {which} was interrupted; stopping this node's ranks"
+            in other.output), other.output
+    assert_all_gone(procs[0].child_pids() + procs[1].child_pids())
 
 
 def test_a_rank_failing_on_node_0_stops_every_node(reaper: Callable[..., Proc]) -> None:
@@ -104,23 +110,6 @@ def test_a_rank_failing_on_node_0_stops_every_node(reaper: Callable[..., Proc]) 
     assert ("rank 0 (node 0) exited with code 3; stopping this node's ranks"
             in second.output), second.output
     assert "lost the rendezvous" not in first.output + second.output
-    assert_all_gone(first.child_pids() + second.child_pids())
-
-
-def test_interrupting_node_0_stops_every_node(reaper: Callable[..., Proc]) -> None:
-    """SIGTERM to node 0's launcher: node 1's launcher hears of it before node 0's
-    rendezvous closes, and stops its ranks (130 on both)."""
-    port = free_fixed_port()
-    first = node(reaper, 0, port, "sleep")
-    second = node(reaper, 1, port, "sleep")
-    for proc in (first, second):
-        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
-                             == 2, 45), proc.output
-    first.popen.send_signal(signal.SIGTERM)
-    assert first.finish(30) == 130, first.output
-    assert second.finish(15) == 130, second.output
-    assert "the launcher of node 0 was interrupted; stopping this node's ranks" in \
-        second.output, second.output
     assert_all_gone(first.child_pids() + second.child_pids())
 
 

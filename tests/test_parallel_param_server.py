@@ -519,31 +519,15 @@ async def test_a_worker_that_leaves_without_finish_breaks_the_world_with_its_cau
     assert lost == 2 and "parameter server 0 lost worker 2" in message, message
 
 
-async def test_worker_with_another_model_is_refused() -> None:
-    async def rank(comm: Communicator) -> Any:
-        model = MLP([4, 8, 1] if comm.rank == 2 else SIZES, seed=0)
-        opt = AsyncSGD(model, comm, optimizer=SGD(lr=0.1))
-        if opt.is_server:
-            return await opt.serve()
-        if comm.rank == 2:
-            with pytest.raises(CollectiveError, match=r"refused rank 2.*shard size"):
-                await opt.pull()
-            return "refused"
-        for s in range(5):
-            await opt.step(regression(s))
-        await opt.finish()
-        return "done"
-
-    stats, *results = await run_world(rank, 3, "memory")
-    assert results == ["done", "refused"]
-    assert stats.done == (1,) and stats.lost == (2,) and stats.workers[2].state == "failed"
-
-
-@pytest.mark.parametrize("other", [{"sizes": [1, 32, 1]}, {"dtype": np.float32}],
-                         ids=["other shapes, same size", "other dtype"])
-async def test_worker_with_a_model_of_the_same_size_is_refused(other: dict[str, Any]) -> None:
-    """Another model with as many parameters (other shapes, or another dtype) must be
-    refused at the first pull too, not trained into the servers' parameters."""
+@pytest.mark.parametrize(("other", "why"), [
+    ({"sizes": [4, 8, 1]}, "shard size"),
+    ({"sizes": [1, 32, 1]}, "names, shapes or dtype"),
+    ({"dtype": np.float32}, "names, shapes or dtype"),
+], ids=["other size", "other shapes, same size", "other dtype"])
+async def test_worker_with_another_model_is_refused(other: dict[str, Any], why: str) -> None:
+    """A worker with another model is refused at its first pull: one of another size by the
+    shard size, one with as many parameters (other shapes, or another dtype) by the model's
+    fingerprint, rather than trained into the servers' parameters."""
     async def rank(comm: Communicator) -> Any:
         kw = {"sizes": SIZES, **other} if comm.rank == 2 else {"sizes": SIZES}
         model = MLP(**kw, seed=0)
@@ -551,7 +535,7 @@ async def test_worker_with_a_model_of_the_same_size_is_refused(other: dict[str, 
         if opt.is_server:
             return await opt.serve()
         if comm.rank == 2:
-            with pytest.raises(CollectiveError, match=r"refused rank 2.*names, shapes or dtype"):
+            with pytest.raises(CollectiveError, match=rf"refused rank 2.*{why}"):
                 await opt.pull()
             return "refused"
         for s in range(5):
@@ -561,6 +545,7 @@ async def test_worker_with_a_model_of_the_same_size_is_refused(other: dict[str, 
 
     stats, *results = await run_world(rank, 3, "memory")
     assert results == ["done", "refused"]
+    assert stats.done == (1,) and stats.lost == (2,)
     assert stats.workers[2].state == "failed" and stats.workers[2].pulls == 0
     assert stats.version == stats.workers[1].accepted == 5
 
