@@ -673,3 +673,26 @@ async def test_rank_that_is_neither_gets_a_clear_error() -> None:
         return "neither"
 
     assert await run_world(rank, 3, "memory") == ["server", "worker", "neither"]
+
+
+async def test_cancelling_serve_breaks_the_world_even_under_isolate() -> None:
+    """docs/async_training.md: cancelling ``serve()`` (an ``asyncio.timeout`` around it, say)
+    cancels its receives, which breaks the communicator for every rank, under
+    ``peer_loss="isolate"`` too: the workers' next step raises at once, not at the timeout."""
+    async def rank(comm: Communicator) -> Any:
+        opt = AsyncSGD(MLP(SIZES, seed=0), comm, optimizer=SGD(lr=0.1))
+        start = asyncio.get_running_loop().time()
+        if opt.is_server:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await opt.serve()
+            return "cancelled"
+        with pytest.raises(CollectiveError, match="cancelled"):
+            for s in range(10_000):
+                await opt.step(regression(s))
+                await asyncio.sleep(0.01)
+        return asyncio.get_running_loop().time() - start
+
+    server, *took = await run_world(rank, 3, "tcp", peer_loss="isolate", timeout=10.0)
+    assert server == "cancelled"
+    assert all(t < 3.0 for t in took), took   # 0.5 s of serving, then at once

@@ -749,6 +749,9 @@ class AsyncSGD:
                 parameters do not fit this server. A server that fails before serving tells
                 the workers first (see the module docstring), so that none waits for it.
             RuntimeError: called on a worker, or a second time.
+
+        Cancelling it breaks the communicator for every rank (its receives are cancelled),
+        under ``peer_loss="isolate"`` too: the workers' next step raises at once.
         """
         if not self.is_server:
             raise RuntimeError(f"serve() runs on server ranks; rank {self.rank} is a worker")
