@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -252,6 +253,9 @@ class _Launcher:
         self.client: Any = None
         #: several nodes: why node 0's rendezvous counts as lost (it stopped answering)
         self.lost: str | None = None
+        #: several nodes: this launcher stopped its ranks because it lost node 0's rendezvous
+        #: (and said so)
+        self.stopped_for_lost = False
         #: node 0: the nodes whose launchers it stopped waiting for (no sign of life)
         self.nodes_gone: set[int] = set()
         #: (min_nodes, max_nodes) in elastic mode: a failed rank does not stop the others
@@ -464,8 +468,6 @@ class _Launcher:
         ``code`` (None: the launcher was interrupted), unless a failure is known already."""
         if self.client is None:
             return
-        import json
-
         record = json.dumps({"node": self.node_rank, "rank": rank, "code": code})
         try:
             await self._ask(self.client.compare_set(f"{NODES_PREFIX}/failed", None, record))
@@ -476,8 +478,6 @@ class _Launcher:
         """Several nodes: stop this node's ranks as soon as another node says one of its
         ranks failed (or its launcher was interrupted), or (not elastic) once node 0's
         rendezvous is lost: its launcher is gone, and its ranks with it."""
-        import json
-
         key = f"{NODES_PREFIX}/failed"
         while True:
             try:
@@ -493,6 +493,7 @@ class _Launcher:
                     # (nobody could tell this node that the job failed any more; node 0's
                     # ranks die with their launcher)
                     self.first_failure = (-1, 1)
+                    self.stopped_for_lost = True
                     self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc}): its "
                               f"launcher is gone; stopping this node's ranks\n")
                     await self.stop()
@@ -546,8 +547,6 @@ class _Launcher:
         launcher at a time holds a node rank: another is refused while the holder shows
         signs of life (one restarted after its predecessor died takes its place). A job that
         failed already starts nothing more. Returns (what is wrong, the exit code), or None."""
-        import json
-
         c = self.client
         lo, hi = self.elastic if self.elastic is not None else (None, None)
         mine = {"n": self.n, "nnodes": self.nnodes, "min_nodes": lo, "max_nodes": hi}
@@ -654,7 +653,7 @@ class _Launcher:
                               "other nodes' (the job's result comes from node 0)\n")
                 await asyncio.sleep(NODES_POLL_SECONDS)
         except Exception as exc:
-            if self.first_failure != (-1, 1):  # (not said already: see _watch_nodes)
+            if not self.stopped_for_lost:  # (said already: see _watch_nodes)
                 self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
             return None
 

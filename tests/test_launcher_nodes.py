@@ -38,6 +38,15 @@ def node(start: Callable[..., Proc], k: int, port: int, mode: str, *extra: str,
                  clean_env(ASYNCCOLL_TOKEN="two-node-secret"))
 
 
+def sleeping_nodes(start: Callable[..., Proc], port: int) -> list[Proc]:
+    """Nodes 0 and 1, their two ranks each in one world and sleeping (all READY)."""
+    procs = [node(start, k, port, "sleep") for k in (0, 1)]
+    for proc in procs:
+        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
+                             == 2, 45), proc.output
+    return procs
+
+
 def test_two_nodes_make_one_world(reaper: Callable[..., Proc]) -> None:
     """Node 1's launcher starts first and waits for node 0's rendezvous; the four ranks form
     one world of 4, ranks 0-1 on node 0 and 2-3 on node 1, each told its local rank."""
@@ -83,10 +92,7 @@ def test_interrupting_one_node_stops_every_node(reaper: Callable[..., Proc], whi
     """Ctrl-C (or SIGTERM) to one launcher stops every node's ranks, 130 everywhere; node 0's
     launcher keeps its rendezvous up until node 1's heard of it."""
     port = free_fixed_port()
-    procs = [node(reaper, k, port, "sleep") for k in (0, 1)]
-    for proc in procs:
-        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
-                             == 2, 45), proc.output
+    procs = sleeping_nodes(reaper, port)
     procs[which].popen.send_signal(sig)
     assert procs[which].finish(30) == 130, procs[which].output
     other = procs[1 - which]
@@ -119,11 +125,7 @@ def test_a_launcher_killed_takes_its_ranks_and_the_job_with_it(
     (they slept on, unseen), and node 1's launcher, which lost the rendezvous, stops its own
     and exits 1 (its ranks went on)."""
     port = free_fixed_port()
-    first = node(reaper, 0, port, "sleep")
-    second = node(reaper, 1, port, "sleep")
-    for proc in (first, second):
-        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
-                             == 2, 45), proc.output
+    first, second = sleeping_nodes(reaper, port)
     first.popen.kill()
     assert first.finish(10) == -signal.SIGKILL
     assert_all_gone(first.child_pids())
@@ -138,11 +140,7 @@ def test_a_second_launcher_for_a_node_rank_is_refused(reaper: Callable[..., Proc
     nothing, and leaves the job alone (its ranks joined the job's rendezvous and waited
     there until node 0 gave up: 'closed the connection')."""
     port = free_fixed_port()
-    first = node(reaper, 0, port, "sleep")
-    second = node(reaper, 1, port, "sleep")
-    for proc in (first, second):
-        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
-                             == 2, 45), proc.output
+    first, second = sleeping_nodes(reaper, port)
     again = node(reaper, 1, port, "check")
     assert again.finish(20) == 2, again.output
     assert "--node-rank 1 is taken: another launcher (127.0.0.1, pid " in again.output, \

@@ -10,6 +10,7 @@ of its world, which share its connections).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from ..collectives import Communicator
 
@@ -27,3 +28,20 @@ async def break_comm(comm: Communicator) -> None:
     await asyncio.sleep(0)
     probe.cancel()
     await asyncio.gather(probe, return_exceptions=True)
+
+
+def first_error(group: BaseExceptionGroup[Any], prefer: type[BaseException] | None = None
+                ) -> BaseException:
+    """The error to re-raise from a failed task group: its first leaf exception (depth
+    first), or, with ``prefer``, its first leaf of that type if it has one."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            stack[:0] = list(exc.exceptions)
+        else:
+            leaves.append(exc)
+    if prefer is not None:
+        return next((e for e in leaves if isinstance(e, prefer)), leaves[0])
+    return leaves[0]

@@ -53,6 +53,7 @@ from ..algorithms import power_of_two_fold
 from ..collectives import Communicator
 from ..errors import CollectiveError
 from ..ops import ReduceOp
+from ._failure import first_error
 
 #: The ``make_compression`` spellings, for error messages.
 ACCEPTED_SPECS = ("none", "fp16", "bf16", "topk", "topk:RATIO", "int8", "int8:BLOCK",
@@ -102,10 +103,7 @@ async def _gather_pair(comm: Communicator, a: np.ndarray, b: np.ndarray
             ta = tg.create_task(comm.all_gather(a))
             tb = tg.create_task(comm.all_gather(b))
     except BaseExceptionGroup as group:
-        first: BaseException = group
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
+        raise first_error(group) from None
     return ta.result(), tb.result()
 
 

@@ -99,6 +99,7 @@ import numpy as np
 
 from ..collectives import Communicator
 from ..errors import CollectiveError, CollectiveTimeout, PeerLostError
+from ._failure import first_error
 from .clip import SquareSum, check_max_norm, clip_coefficient, counted
 from .layout import FlatLayout, split_bounds
 from .model import Model
@@ -301,20 +302,6 @@ async def _all(coros: Sequence[Awaitable[T]]) -> list[T]:
     if errors:
         raise errors[0]
     return [t.result() for t in tasks]
-
-
-def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The error to re-raise from a failed task group: its first CollectiveError, else its
-    first leaf."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop(0)
-        if isinstance(exc, BaseExceptionGroup):
-            stack[:0] = list(exc.exceptions)
-        else:
-            leaves.append(exc)
-    return next((e for e in leaves if isinstance(e, CollectiveError)), leaves[0])
 
 
 # ------------------------------------------------------------------------------- AsyncSGD
@@ -768,7 +755,7 @@ class AsyncSGD:
                 for w in self.workers:
                     tg.create_task(self._serve_worker(w), name=f"asyncsgd-{self.rank}-{w}")
         except BaseExceptionGroup as group:
-            raise _first_error(group) from group
+            raise first_error(group, CollectiveError) from group
         stats = self.stats()
         log.debug("parameter server %d done at version %d: %d accepted, %d scaled, "
                   "%d rejected, lost %s", self.rank, stats.version, stats.accepted,

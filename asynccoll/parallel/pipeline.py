@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 
 from ..collectives import Communicator
-from ._failure import break_comm
+from ._failure import break_comm, first_error
 from ._mlp_math import (
     activation_grad,
     add_dense_grads,
@@ -888,7 +888,7 @@ class PipelineParallel(Model):
             try:
                 total = await self._run(inputs, targets, weights, hooks, train=train)
             except BaseExceptionGroup as group:
-                raise _first_error(group) from None
+                raise first_error(group) from None
             return await self._share_loss(total)
         except BaseException as exc:
             self.stage.clear()
@@ -988,14 +988,6 @@ class PipelineParallel(Model):
         buf = np.array([total if self.is_last else 0.0])
         await self.comm.broadcast(buf, root=self.num_stages - 1)
         return float(buf[0])
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first exception of a (nested) exception group."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 __all__ = ["BALANCES", "SCHEDULES", "TAG_BASE", "MLPStage", "PipelineParallel", "Stage",
