@@ -11,10 +11,14 @@ import os
 import re
 import secrets
 import select
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from . import _exit_record
 
 if TYPE_CHECKING:
     from .rendezvous.store import Store
@@ -41,6 +45,10 @@ NODES_BEAT_SECONDS = 1.0
 NODES_STALE_SECONDS = 30.0
 #: seconds node 0 waits, at the end of an elastic job, for the others to read its totals
 NODES_ACK_SECONDS = 10.0
+#: seconds the launcher waits, after a rank failed because another rank did (its record in
+#: ASYNCCOLL_ERROR_FILE says so), for a rank whose failure was its own, before it blames the
+#: first (see asynccoll._exit_record)
+BLAME_SECONDS = 3.0
 #: seconds a launcher waits for an answer of node 0's rendezvous before it counts it lost
 #: (node 0 counts a silent launcher out after as long: NODES_STALE_SECONDS)
 NODES_CALL_SECONDS = NODES_STALE_SECONDS
@@ -279,6 +287,13 @@ class _Launcher:
         self.bind = bind
         self.procs: list[asyncio.subprocess.Process] = []
         self.first_failure: tuple[int, int] | None = None
+        #: where each rank leaves its record at exit (ASYNCCOLL_ERROR_FILE): the folder
+        self.records: str | None = None
+        #: the ranks whose failure came from another rank, in the order they exited:
+        #: (rank, exit code, the rank its failure came from)
+        self.victims: list[tuple[int, int, int]] = []
+        #: while the launcher waits for the rank the first of them failed because of
+        self.blaming: asyncio.Future[None] | None = None
         self.stopping = False
         #: a Ctrl-C (or SIGTERM, SIGHUP) arrived: the ranks it stops are not replaced
         self.interrupted = False
@@ -305,6 +320,10 @@ class _Launcher:
             "ASYNCCOLL_TOKEN": self.token,
             "PYTHONUNBUFFERED": "1",
         })
+        if self.records is not None:
+            env[_exit_record.ENV] = self._record_path(rank)
+        else:
+            env.pop(_exit_record.ENV, None)  # (one of a launcher that started this one)
         # N processes whose BLAS/OpenMP pools each start one thread per core oversubscribe
         # the machine N times (a 10x slowdown of NumPy training on 2 cores): share the cores,
         # as torchrun does, unless the user chose
@@ -454,12 +473,45 @@ class _Launcher:
                 self._say(f"asynccoll run: rank {rank} exited with code {code}; "
                           f"the others go on\n")
         elif code != 0 and self.first_failure is None and not self.stopping:
-            self.first_failure = (rank, code)
-            log.info("rank %d exited with %s; stopping the other ranks", rank, code)
-            self._say(f"asynccoll run: rank {rank} exited with code {code}; "
-                      f"stopping the others\n")
-            await asyncio.gather(self.stop(), self._tell_nodes(rank, code))
+            record = (_exit_record.read(self._record_path(rank))
+                      if self.records is not None else None)
+            if record is None:  # its own failure (or killed: it could write nothing)
+                await self._fail(rank, code)
+            else:
+                self.victims.append((rank, code, record["peer"]))
+                if self.blaming is None:
+                    self.blaming = asyncio.ensure_future(self._blame_later())
+                await self.blaming
         await output
+
+    async def _fail(self, rank: int, code: int, came_from: int | None = None) -> None:
+        """The job failed with rank ``rank``'s exit ``code``: say so, stop the other ranks
+        and tell the other nodes. ``came_from``: the rank its failure came from, when no
+        rank was seen failing on its own."""
+        self.first_failure = (rank, code)
+        log.info("rank %d exited with %s; stopping the other ranks", rank, code)
+        why = f" (its error came from rank {came_from})" if came_from is not None else ""
+        self._say(f"asynccoll run: rank {rank} exited with code {code}{why}; "
+                  f"stopping the others\n")
+        await asyncio.gather(self.stop(), self._tell_nodes(rank, code))
+
+    async def _blame_later(self) -> None:
+        """A rank failed because another did: wait up to BLAME_SECONDS for the rank whose
+        failure was its own (its exit here, or another node's word), which is then blamed
+        (``_watch``, ``_watch_nodes``); without one, blame the first of those victims. The
+        other ranks are not stopped meanwhile: a culprit stopped would exit with the code of
+        the signal, not its own."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BLAME_SECONDS
+        while self.first_failure is None and not self.stopping and not self.interrupted:
+            if loop.time() >= deadline:
+                break
+            if self.client is None and all(p.returncode is not None for p in self.procs):
+                break  # (every rank here exited: no culprit will come)
+            await asyncio.sleep(0.02)
+        if self.first_failure is None and not self.stopping and not self.interrupted:
+            rank, code, peer = self.victims[0]
+            await self._fail(rank, code, peer)
 
     # -- several nodes ----------------------------------------------------------------------
 
@@ -746,7 +798,18 @@ class _Launcher:
             self._signal_all(signal.SIGKILL)
             await asyncio.gather(*(p.wait() for p in self.procs))
 
+    def _record_path(self, rank: int) -> str:
+        assert self.records is not None
+        return os.path.join(self.records, f"rank-{rank}.json")
+
     async def main(self) -> int:
+        self.records = tempfile.mkdtemp(prefix="asynccoll-run-")
+        try:
+            return await self._main()
+        finally:
+            shutil.rmtree(self.records, ignore_errors=True)
+
+    async def _main(self) -> int:
         from .rendezvous import RendezvousServer
 
         server = None

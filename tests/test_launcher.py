@@ -904,3 +904,60 @@ def test_hangup_stops_everything(reaper: Callable[..., Proc]) -> None:
     code = proc.finish(15)
     assert code != 0, proc.output
     assert_all_gone(pids)
+
+
+# ------------------------------------------------------------------------- whom to blame
+
+BLAME = str(HELPERS / "blame.py")
+
+
+def test_the_rank_whose_failure_was_its_own_is_blamed_not_a_victim(
+        reaper: Callable[..., Proc]) -> None:
+    """Rank 1 fails in its own code and takes 1.5 s to clean up before it exits with code 7;
+    ranks 0 and 2, whose all_reduce raised PeerLostError naming it, exit with code 1 first.
+    The launcher blamed the first rank to exit ('rank 0 exited with code 1') and exited 1:
+    it now names rank 1, from the records its victims leave at exit, with its code."""
+    proc = reaper(launcher("-n", "3", BLAME, "slow", "1"))
+    code = proc.finish(40)
+    out = proc.output
+    assert rank_lines(out, 1, "CULPRIT exits"), out
+    said = [line for line in proc.lines if line.startswith("asynccoll run:")]
+    assert said == ["asynccoll run: rank 1 exited with code 7; stopping the others"], out
+    assert code == 7, out
+    assert_all_gone(proc.child_pids())
+
+
+def test_a_killed_rank_is_blamed_not_its_victims(reaper: Callable[..., Proc]) -> None:
+    """Rank 1 is SIGKILLed (no record of its own); its victims' records name it as lost."""
+    proc = reaper(launcher("-n", "3", BLAME, "killed", "1"))
+    code = proc.finish(40)
+    out = proc.output
+    said = [line for line in proc.lines if line.startswith("asynccoll run:")]
+    assert said == ["asynccoll run: rank 1 exited with code -9; stopping the others"], out
+    assert code == 128 + signal.SIGKILL, out
+    assert_all_gone(proc.child_pids())
+
+
+@pytest.mark.parametrize(("error", "peer"), [
+    ("lost", 2), ("relayed-lost", 3), ("relayed", 1), ("timeout", None), ("closed", None),
+    ("own-mismatch", None), ("none", None)])
+def test_a_rank_record_names_the_rank_its_failure_came_from(error: str,
+                                                             peer: int | None) -> None:
+    """What rank 0's record says of its broken world: the rank lost, the rank that aborted
+    (or the one lost, which it relayed), or nothing when the failure was its own."""
+    from asynccoll._exit_record import peer_cause
+    from asynccoll.errors import (
+        CollectiveError,
+        CollectiveTimeout,
+        CommunicatorClosedError,
+        PeerLostError,
+    )
+
+    exc = {"lost": PeerLostError("world rank 2 has closed its communicator", rank=2),
+           "relayed-lost": PeerLostError("world rank 1 aborted: lost world rank 3", rank=3),
+           "relayed": CollectiveError("world rank 1 aborted: all_reduce(...) mismatch"),
+           "timeout": CollectiveTimeout("no progress for 30 s"),
+           "closed": CommunicatorClosedError("the communicator was closed"),
+           "own-mismatch": CollectiveError("ranks disagree: world rank 1 called broadcast"),
+           "none": None}[error]
+    assert peer_cause(exc, 0) == peer

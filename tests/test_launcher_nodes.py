@@ -251,3 +251,25 @@ async def test_node_0_fails_a_job_whose_other_launcher_vanished(
     err = capfd.readouterr().err
     assert "node 1's launcher gave no sign of life for 1 s; not waiting for it" in err, err
     assert "those of node(s) 1, whose launcher vanished, may not have" in err, err
+
+
+def test_the_culprit_on_another_node_is_blamed_not_a_victim(
+        reaper: Callable[..., Proc]) -> None:
+    """Rank 3 (node 1) fails in its own code and exits with code 7 after a slow clean-up;
+    ranks 0 and 1 (node 0), whose all_reduce raised PeerLostError naming it, exit first.
+    Node 0's launcher published 'rank 0 (node 0) exited with code 1' as the job's failure,
+    and both launchers blamed rank 0; both now name rank 3, with its code."""
+    port = free_fixed_port()
+    env = clean_env(ASYNCCOLL_TOKEN="two-node-secret")
+    first, second = (reaper(launcher("-n", "2", "--nnodes", "2", "--node-rank", str(k),
+                                     "--port", str(port), str(HELPERS / "blame.py"), "slow",
+                                     "3"), env) for k in (0, 1))
+    assert second.finish(45) == 7, second.output
+    assert first.finish(15) == 7, first.output
+    assert "rank 3 exited with code 7; stopping the others" in second.output, second.output
+    assert ("rank 3 (node 1) exited with code 7; stopping this node's ranks"
+            in first.output), first.output
+    said = [line for proc in (first, second) for line in proc.lines
+            if line.startswith("asynccoll run:")]
+    assert not [line for line in said if "rank 3" not in line], said
+    assert_all_gone(first.child_pids() + second.child_pids())

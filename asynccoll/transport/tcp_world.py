@@ -19,6 +19,7 @@ import socket
 from typing import Any
 
 from .._aio import is_loopback, uncancelled
+from .._exit_record import note_world
 from ..algorithms import power_of_two_fold
 from ..collectives import Communicator, check_int, check_timeout
 from ..errors import CollectiveError, RendezvousError
@@ -293,6 +294,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
             await server.close()
 
     transport._on_close.append(close_rendezvous)
+    note_world(transport)  # (under the launcher: whom its failure came from, at exit)
     return Communicator(transport, timeout=timeout, tuning=tuning, backend="tcp")
 
 
@@ -337,6 +339,7 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
     except BaseException:
         await transport.close()
         raise
+    note_world(transport)
     return Communicator(transport, timeout=timeout, tuning=tuning, backend="tcp")
 
 
