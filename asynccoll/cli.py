@@ -37,6 +37,10 @@ IDLE_FLUSH = 0.1
 NODES_PREFIX = "launch"
 #: seconds a launcher waits for node 0's rendezvous to answer
 NODES_CONNECT_SECONDS = 120.0
+#: seconds after which a launcher still waiting for node 0's rendezvous says so, and then
+#: between two reminders
+NODES_NOTICE_SECONDS = 1.0
+NODES_REMIND_SECONDS = 15.0
 #: seconds between two looks at whether another node's rank failed
 NODES_POLL_SECONDS = 0.2
 #: seconds between two signs of life of a launcher in the store
@@ -580,16 +584,34 @@ class _Launcher:
             raise RendezvousError(self.lost) from None
 
     async def _connect_nodes(self) -> bool:
-        """Several nodes: connect to node 0's rendezvous (waiting for it to start)."""
+        """Several nodes: connect to node 0's rendezvous (waiting for it to start, and
+        saying so after NODES_NOTICE_SECONDS, then every NODES_REMIND_SECONDS: a wrong
+        --addr or --port, or node 0's launcher not started yet)."""
         from .rendezvous import RendezvousClient
 
+        where = f"node 0's rendezvous at {self.addr}:{self.port}"
+        connecting = asyncio.ensure_future(RendezvousClient.connect(
+            self.addr, self.port, token=self.token, timeout=NODES_CONNECT_SECONDS))
         try:
-            self.client = await RendezvousClient.connect(
-                self.addr, self.port, token=self.token, timeout=NODES_CONNECT_SECONDS)
+            waited, step = 0.0, NODES_NOTICE_SECONDS
+            while not (await asyncio.wait([connecting], timeout=step))[0]:
+                if not waited:
+                    self._say(f"asynccoll run: node {self.node_rank} waiting for {where} "
+                              f"(node 0's launcher; up to {NODES_CONNECT_SECONDS:g} s) ...\n")
+                waited += step
+                if waited > step:
+                    self._say(f"asynccoll run: node {self.node_rank} still waiting for "
+                              f"{where} ({waited:.0f} s of {NODES_CONNECT_SECONDS:g} s)\n")
+                step = NODES_REMIND_SECONDS
+            self.client = connecting.result()
         except Exception as exc:
             self._say(f"asynccoll run: node {self.node_rank} cannot reach the rendezvous at "
                       f"{self.addr}:{self.port} (node 0's launcher): {exc}\n")
             return False
+        finally:
+            if not connecting.done():  # (interrupted)
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
         return True
 
     async def _join_nodes(self) -> tuple[str, int] | None:

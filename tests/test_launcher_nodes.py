@@ -273,3 +273,18 @@ def test_the_culprit_on_another_node_is_blamed_not_a_victim(
             if line.startswith("asynccoll run:")]
     assert not [line for line in said if "rank 3" not in line], said
     assert_all_gone(first.child_pids() + second.child_pids())
+
+
+def test_a_node_waiting_for_node_0_says_what_it_waits_for(reaper: Callable[..., Proc]) -> None:
+    """Node 1's launcher pointed at an address where nothing listens (a wrong --addr, or
+    node 0 not started yet) retried for 120 s without a word. It says at once what it
+    waits for, and reminds of it while it waits."""
+    port = free_fixed_port()  # (nothing listens there)
+    began = time.monotonic()
+    proc = node(reaper, 1, port, "check")
+    waiting = f"asynccoll run: node 1 waiting for node 0's rendezvous at 127.0.0.1:{port}"
+    assert proc.wait_for(lambda lines: any(line.startswith(waiting) for line in lines), 5), \
+        proc.output
+    assert time.monotonic() - began < 5
+    assert proc.popen.poll() is None, proc.output  # (still waiting)
+    proc.kill()
