@@ -14,7 +14,9 @@ specifies the ops.
 The store has three parts, all owned by one server object (never by the module, so two servers
 in one process are independent): ``data`` (str keys to bytes values), ``members`` (rank to
 host, port, meta) and ``generation`` (an int that ``bump_generation`` increments, clearing
-``members``).
+``members``). A server shared by jobs keeps one such store per job id that its clients
+announce (``RendezvousClient.connect(job=...)``), dropped when the job's last connection
+closes; ``store`` is that of the empty job id (see ``RendezvousServer``).
 """
 
 from ._common import DEFAULT_MAX_VALUE_BYTES, DEFAULT_WAIT_TIMEOUT

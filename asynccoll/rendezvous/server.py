@@ -91,7 +91,9 @@ class RendezvousServer:
         host: address to bind (loopback by default; bind a routable address only with a token).
         port: port to bind; 0 picks a free one (read it back from ``port``).
         token: shared secret every client must prove it knows (``None``: the empty token).
-        job: when not empty, clients announcing another job id are rejected.
+        job: when not empty, clients announcing another job id are rejected. When empty (a
+            standalone server shared by jobs), each job id that clients announce gets a store,
+            roster and generation of its own (see ``store``).
         handshake_timeout: a connection that has not finished the handshake by then is dropped.
         max_value_bytes: largest value (frame payload) accepted; a larger frame drops the
             connection that sent it. Announced to clients in WELCOME, so that a well-behaved
@@ -100,6 +102,13 @@ class RendezvousServer:
 
     A connection that fails the handshake or breaks the protocol is closed and logged at
     WARNING; the other clients are not disturbed.
+
+    Jobs: a client's requests act on the namespace of the job id it announced in its
+    handshake (``RendezvousClient.connect(job=...)``, ``ASYNCCOLL_JOB_ID`` for ranks). The
+    namespace of the empty job id is ``store`` and lives as long as the server; another job's
+    is made at its first connection and dropped, keys, roster and generation, when its last
+    connection closes (that job is over), so that a server serving job after job holds only
+    the state of the jobs connected now, and a later job of the same id starts empty.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -119,11 +128,17 @@ class RendezvousServer:
             raise TypeError(f"job must be a str, not {type(job).__name__}")
         self._bind = (host, port)
         self._token = token
-        self._job = job
+        self._server_job = job
         self._handshake_timeout = float(handshake_timeout)
         self._max_value_bytes = max_value_bytes
         self._send_timeout = float(send_timeout)
+        #: the namespace of the empty job id (clients that announce none)
         self.store = Store()
+        #: every job's namespace, and how many connections of each are open
+        self._stores: dict[str, Store] = {"": self.store}
+        self._job_sessions: dict[str, int] = {}
+        #: the job of the request a handler serves (set with ``_caller``)
+        self._job = ""
         #: the sessions, numbered from 1: those open, the last one's number, and the one whose
         #: request a handler serves (roster entries remember who joined them, see Store.join)
         self._live: set[int] = set()
@@ -145,7 +160,7 @@ class RendezvousServer:
 
     def __repr__(self) -> str:
         where = f"{self.host}:{self.port}" if self._address else "not started"
-        return f"RendezvousServer({where}, job={self._job!r})"
+        return f"RendezvousServer({where}, job={self._server_job!r})"
 
     @property
     def host(self) -> str:
@@ -237,7 +252,8 @@ class RendezvousServer:
         try:
             try:
                 hs = await server_handshake(
-                    reader, writer, self._token, job=self._job, timeout=self._handshake_timeout,
+                    reader, writer, self._token, job=self._server_job,
+                    timeout=self._handshake_timeout,
                     welcome_meta={"max_value_bytes": self._max_value_bytes})
             except (ProtocolError, TimeoutError) as exc:  # AuthenticationError included
                 logger.warning("rendezvous: dropped connection from %s: %s", peer, exc)
@@ -245,26 +261,34 @@ class RendezvousServer:
                 return
             logger.debug("rendezvous: %s connected (role=%s, rank=%s)",
                          peer, hs.peer_role, hs.peer_rank)
-            abort = await self._session(reader, writer, peer)
+            abort = await self._session(reader, writer, peer, hs.peer_job or "")
         except Exception:  # a bug: log it, never take the other connections down with it
             logger.exception("rendezvous: internal error serving %s", peer)
         finally:
             await _close_writer(writer, abort=abort)
 
+    @property
+    def jobs(self) -> list[str]:
+        """The job ids whose namespaces the server holds now (``""`` always): those with a
+        connection open."""
+        return sorted(self._stores)
+
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       peer: str) -> bool:
-        """Serve requests until the client leaves; return True when the connection should be
-        aborted rather than closed gracefully."""
+                       peer: str, job: str) -> bool:
+        """Serve requests of job ``job`` until the client leaves; return True when the
+        connection should be aborted rather than closed gracefully."""
         abort = True
         self._sessions += 1
         session = self._sessions
         self._live.add(session)
+        self._job_sessions[job] = self._job_sessions.get(job, 0) + 1
+        self._stores.setdefault(job, Store())
         try:
             async with asyncio.TaskGroup() as tg:
                 while (frame := await read_frame(reader, self._max_value_bytes)) is not None:
                     rid, op, args = _parse_request(frame)
                     await self._dispatch(tg, writer, rid, op, args, bytes(frame.payload),
-                                         session)
+                                         session, job)
                 raise _Hangup
         except* _Hangup:
             logger.debug("rendezvous: %s disconnected", peer)
@@ -280,15 +304,24 @@ class RendezvousServer:
                            group.exceptions[0])
         finally:
             self._live.discard(session)
+            self._job_sessions[job] -= 1
+            if not self._job_sessions[job]:
+                del self._job_sessions[job]
+                if job:  # that job is over: nothing of it is kept (its waiters were its own)
+                    del self._stores[job]
+                    logger.debug("rendezvous: the last connection of job %r closed; its keys "
+                                 "and roster are dropped", job)
         return abort
 
     async def _dispatch(self, tg: asyncio.TaskGroup, writer: asyncio.StreamWriter, rid: int,
-                        op: str, args: dict[str, Any], payload: bytes, session: int) -> None:
+                        op: str, args: dict[str, Any], payload: bytes, session: int,
+                        job: str) -> None:
         handler = self._handlers.get(op)
         try:
             if handler is None:
                 raise _OpError(E_UNKNOWN_OP, f"unknown op {op!r}")
             self._caller = session        # read by handlers (synchronous: no await before)
+            self._job = job
             result = handler(args, payload)
         except _OpError as exc:
             await self._respond(writer, _error_response(rid, exc))
@@ -345,17 +378,22 @@ class RendezvousServer:
             raise _OpError(E_TIMEOUT, f"timed out after {limit} s waiting for {what()}"
                            ) from None
 
+    @property
+    def _store(self) -> Store:
+        """The namespace of the job whose request a handler serves."""
+        return self._stores[self._job]
+
     def _changed_key(self, key: str) -> None:
-        self._wake(("key", key))
+        self._wake(("key", self._job, key))
 
     def _changed_roster(self) -> None:
-        self._wake(("roster",))
+        self._wake(("roster", self._job))
 
     # ------------------------------------------------------------------------- ops
 
     def _op_set(self, args: dict[str, Any], payload: bytes) -> _Result:
         key = _arg_str(args, "key")
-        self.store.set(key, payload)
+        self._store.set(key, payload)
         self._changed_key(key)
         return {}, b""
 
@@ -366,17 +404,20 @@ class RendezvousServer:
         if not isinstance(wait, bool):
             raise _OpError(E_BAD_REQUEST, "argument 'wait' must be a bool")
         timeout = _arg_timeout(args)
-        if key in self.store.data or not wait:
-            return self._get_now(key)
+        # (captured: a later answer runs when another job's request may be the one served)
+        data, topic = self._store.data, ("key", self._job, key)
+        if key in data or not wait:
+            return self._get_now(data, key)
 
         async def later() -> _Result:
-            await self._bounded(self._wait_until(("key", key), lambda: key in self.store.data),
+            await self._bounded(self._wait_until(topic, lambda: key in data),
                                 timeout, lambda: f"key {key!r}")
-            return self._get_now(key)
+            return self._get_now(data, key)
         return later
 
-    def _get_now(self, key: str) -> _Result:
-        value = self.store.data.get(key)
+    @staticmethod
+    def _get_now(data: dict[str, bytes], key: str) -> _Result:
+        value = data.get(key)
         if value is None:
             return {"found": False}, b""
         return {"found": True}, value
@@ -387,7 +428,8 @@ class RendezvousServer:
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise _OpError(E_BAD_REQUEST, "argument 'keys' must be an array of strings")
         timeout = _arg_timeout(args)
-        data = self.store.data
+        data = self._store.data
+        job = self._job
         if all(k in data for k in keys):
             return {}, b""
 
@@ -397,7 +439,7 @@ class RendezvousServer:
             # wake means the key was just written, even if it is deleted before this task runs.
             for key in keys:
                 if key not in data:
-                    await self._next_wake(("key", key))
+                    await self._next_wake(("key", job, key))
 
         async def later() -> _Result:
             await self._bounded(wait_all(), timeout,
@@ -410,7 +452,7 @@ class RendezvousServer:
         key = _arg_str(args, "key")
         delta = _arg_int(args, "delta", _I64_MIN, _I64_MAX)
         assert delta is not None
-        value = self.store.add(key, delta)
+        value = self._store.add(key, delta)
         self._changed_key(key)
         return {"value": value}, b""
 
@@ -419,18 +461,18 @@ class RendezvousServer:
         expected = _arg(args, "expected")
         if expected is not None and not isinstance(expected, bytes):
             raise _OpError(E_BAD_REQUEST, "argument 'expected' must be binary or nil")
-        swapped, current = self.store.compare_set(key, expected, payload)
+        swapped, current = self._store.compare_set(key, expected, payload)
         if swapped:
             self._changed_key(key)
         return {"swapped": swapped, "exists": current is not None}, current or b""
 
     def _op_delete(self, args: dict[str, Any], payload: bytes) -> _Result:
         _no_payload("delete", payload)
-        return {"deleted": self.store.delete(_arg_str(args, "key"))}, b""
+        return {"deleted": self._store.delete(_arg_str(args, "key"))}, b""
 
     def _op_num_keys(self, args: dict[str, Any], payload: bytes) -> _Result:
         _no_payload("num_keys", payload)
-        return {"count": len(self.store.data)}, b""
+        return {"count": len(self._store.data)}, b""
 
     def _op_join(self, args: dict[str, Any], payload: bytes) -> _Result:
         _no_payload("join", payload)
@@ -438,7 +480,7 @@ class RendezvousServer:
         host = _arg_str(args, "host")
         port = _arg_int(args, "port", 0, 65535)
         assert rank is not None and port is not None
-        generation = self.store.join(rank, host, port, _arg_meta(args), self._caller,
+        generation = self._store.join(rank, host, port, _arg_meta(args), self._caller,
                                      self._live)
         self._changed_roster()
         return {"generation": generation}, b""
@@ -447,7 +489,7 @@ class RendezvousServer:
         _no_payload("leave", payload)
         rank = _arg_int(args, "rank", 0, _U32)
         assert rank is not None
-        removed = self.store.leave(rank)
+        removed = self._store.leave(rank)
         if removed:
             self._changed_roster()
         return {"removed": removed}, b""
@@ -457,7 +499,8 @@ class RendezvousServer:
         world_size = _arg_int(args, "world_size", 1, _U32 + 1, optional=True)
         generation = _arg_int(args, "generation", 0, _I64_MAX, optional=True)
         timeout = _arg_timeout(args)
-        store = self.store
+        store = self._store
+        topic = ("roster", self._job)
         caller = self._caller  # (a later answer runs when another request is the caller)
 
         def ready() -> bool:
@@ -470,19 +513,19 @@ class RendezvousServer:
 
         async def later() -> _Result:
             await self._bounded(
-                self._wait_until(("roster",), ready), timeout,
+                self._wait_until(topic, ready), timeout,
                 lambda: f"{world_size} ranks to join the roster (have {len(store.members)})")
             return store.roster(caller, world_size)
         return later
 
     def _op_generation(self, args: dict[str, Any], payload: bytes) -> _Result:
         _no_payload("generation", payload)
-        return {"generation": self.store.generation}, b""
+        return {"generation": self._store.generation}, b""
 
     def _op_bump_generation(self, args: dict[str, Any], payload: bytes) -> _Result:
         _no_payload("bump_generation", payload)
         expected = _arg_int(args, "expected", 0, _I64_MAX, optional=True)
-        bumped, generation = self.store.bump(expected)
+        bumped, generation = self._store.bump(expected)
         if bumped:
             self._changed_roster()
         return {"generation": generation, "bumped": bumped}, b""

@@ -204,8 +204,11 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                    rendezvous: str | None = None, bind: str | None = None,
                    host_rendezvous: bool | None = None,
                    max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                   peer_loss: str = "abort") -> Communicator:
-    """Join a TCP world; see ``asynccoll.init``."""
+                   peer_loss: str = "abort", job: str | None = None) -> Communicator:
+    """Join a TCP world; see ``asynccoll.init``. ``job`` (else ``ASYNCCOLL_JOB_ID``, else
+    none): the job id this rank announces to the rendezvous, whose keys and roster are the
+    job's own (a standalone rendezvous serves several jobs at once that way); a rendezvous
+    rank 0 hosts accepts only that job's ranks."""
     from ..rendezvous import RendezvousClient, RendezvousServer
     from ..rendezvous._common import MAX_WAIT_TIMEOUT
 
@@ -224,6 +227,9 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     port = 29500 if port is None else port
     token = token if token is not None else _env("ASYNCCOLL_TOKEN")
     rendezvous = rendezvous or _env("ASYNCCOLL_RENDEZVOUS")
+    job = job if job is not None else (_env("ASYNCCOLL_JOB_ID") or "")
+    if not isinstance(job, str):
+        raise TypeError(f"job must be a str, not {type(job).__name__}")
     rdv_host, rdv_port = addr, port
     if rendezvous:
         host_part, _, port_part = rendezvous.rpartition(":")
@@ -238,7 +244,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     if host_rendezvous:
         # the address the ranks reach it on (127.0.0.2 too: a socket bound to 127.0.0.1
         # does not answer there), IPv4 for "localhost" and an IPv4-mapped address
-        server = RendezvousServer(_bind_address(addr), rdv_port, token=token)
+        server = RendezvousServer(_bind_address(addr), rdv_port, token=token, job=job)
         try:
             await server.start()
         except OSError as exc:  # asyncio's message names neither the rendezvous nor the fix
@@ -248,7 +254,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     client = None
     try:
         client = await RendezvousClient.connect(rdv_host, rdv_port, token=token, timeout=wait,
-                                                rank=rank)
+                                                rank=rank, job=job)
         if bind is None:
             bind = _env("ASYNCCOLL_BIND")
         if bind is None:
