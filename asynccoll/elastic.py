@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from .collectives import Communicator
+from .collectives import Communicator, check_int, check_timeout
 from .errors import RendezvousError
 from .rendezvous._common import MAX_WAIT_TIMEOUT
 from .tuning import Tuning
@@ -68,16 +68,35 @@ MAX_FRESH = 3
 
 
 def _env_int(name: str) -> int | None:
+    """The integer in the environment variable ``name`` (``None`` if unset or empty); a
+    ValueError naming the variable if it holds something else."""
     value = os.environ.get(name)
-    return int(value) if value else None
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def _check_timeout(timeout: object) -> float:
-    """``timeout`` as a float: a number > 0, ``math.inf`` for none."""
-    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-            or not timeout > 0):   # (NaN fails this too)
-        raise ValueError(f"timeout must be a number > 0 (math.inf for none), got {timeout!r}")
-    return float(timeout)
+def _check_nodes(min_nodes: object, max_nodes: object) -> tuple[int, int]:
+    """``min_nodes`` and ``max_nodes`` as ints with 1 <= min_nodes <= max_nodes (a bool, a
+    float or a string is a TypeError naming the argument)."""
+    lo, hi = check_int(min_nodes, "min_nodes"), check_int(max_nodes, "max_nodes")
+    if lo < 1 or hi < lo:
+        raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {lo}, {hi}")
+    return lo, hi
+
+
+def _check_settle(settle: object) -> float:
+    """``settle`` as seconds: a number >= 0 (``math.inf``: close a generation only once it
+    has ``max_nodes`` members), checked as ``Communicator.timeout`` is."""
+    if isinstance(settle, bool) or not isinstance(settle, int | float | np.integer
+                                                  | np.floating):
+        raise TypeError(f"settle must be a number of seconds, got {settle!r}")
+    if not float(settle) >= 0:  # NaN too
+        raise ValueError(f"settle must be >= 0 seconds, got {settle!r}")
+    return float(settle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,22 +118,24 @@ class ElasticGroup:
         min_nodes: a generation forms only with at least this many processes.
         max_nodes: and at most this many (later ones wait as spares).
         settle: seconds without a new arrival after which a generation with at least
-            ``min_nodes`` members closes (a generation with ``max_nodes`` closes at once).
+            ``min_nodes`` members closes (a generation with ``max_nodes`` closes at once;
+            ``math.inf``: only then).
         timeout: bound of every wait: forming a generation, and the collectives of its
-            communicator (seconds > 0; ``math.inf`` for none).
+            communicator. Seconds, checked as ``Communicator.timeout`` is: a number >= 0
+            (``math.inf`` for none; 0 waits for nothing, so forming fails at once unless
+            everything is there); anything else is a ``TypeError`` (not a number) or a
+            ``ValueError`` (negative, NaN) before anything connects. Settable.
     """
 
     def __init__(self, client: Any, *, min_nodes: int, max_nodes: int, settle: float,
                  timeout: float, token: str | bytes | None, tuning: Tuning | None,
                  job: str, server: Any = None) -> None:
-        if min_nodes < 1 or max_nodes < min_nodes:
-            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
-        if settle < 0:
-            raise ValueError(f"settle must be >= 0, got {settle}")
-        timeout = _check_timeout(timeout)
+        min_nodes, max_nodes = _check_nodes(min_nodes, max_nodes)
+        settle = _check_settle(settle)
+        self._timeout = check_timeout(timeout)
         self.client = client
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
-        self.settle, self.timeout = settle, timeout
+        self.settle = settle
         self.token, self.tuning, self.job = token, tuning, job
         self.id = uuid.uuid4().hex[:12]
         self.comm: Communicator | None = None
@@ -128,6 +149,16 @@ class ElasticGroup:
         self._leavers = 0
         #: this process left the job (``leave``): it forms no more worlds
         self.left = False
+
+    @property
+    def timeout(self) -> float:
+        """The bound of every wait (see the class); settable, checked as
+        ``Communicator.timeout`` is. The next generation's communicator gets it."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = check_timeout(value)
 
     @classmethod
     async def connect(cls, *, min_nodes: int | None = None, max_nodes: int | None = None,
@@ -143,10 +174,24 @@ class ElasticGroup:
         """
         from .rendezvous import RendezvousClient
 
-        min_nodes = min_nodes if min_nodes is not None else _env_int("ASYNCCOLL_MIN_NODES") or 1
-        max_nodes = max_nodes if max_nodes is not None else (
-            _env_int("ASYNCCOLL_MAX_NODES") or max(min_nodes, 1 << 16))
-        rendezvous = rendezvous or os.environ.get("ASYNCCOLL_RENDEZVOUS")
+        # (every argument is checked before anything connects)
+        if min_nodes is None:
+            env_min = _env_int("ASYNCCOLL_MIN_NODES")
+            if env_min is not None and env_min < 1:
+                raise ValueError(f"ASYNCCOLL_MIN_NODES={env_min} is not >= 1")
+            min_nodes = env_min if env_min is not None else 1
+        if max_nodes is None:
+            env_max = _env_int("ASYNCCOLL_MAX_NODES")
+            if env_max is not None and env_max < check_int(min_nodes, "min_nodes"):
+                raise ValueError(f"ASYNCCOLL_MAX_NODES={env_max} is less than min_nodes "
+                                 f"({min_nodes})")
+            max_nodes = env_max if env_max is not None else max(
+                check_int(min_nodes, "min_nodes"), 1 << 16)
+        if rendezvous is not None and not isinstance(rendezvous, str):
+            raise TypeError(f"rendezvous must be a 'host:port' str, got {rendezvous!r}")
+        source = "rendezvous"  # (what an error names: the argument or the variables)
+        if not rendezvous:
+            rendezvous, source = os.environ.get("ASYNCCOLL_RENDEZVOUS"), "ASYNCCOLL_RENDEZVOUS"
         if not rendezvous:
             host = (os.environ.get("ASYNCCOLL_ADDR") or os.environ.get("MASTER_ADDR")
                     or "127.0.0.1")
@@ -155,14 +200,15 @@ class ElasticGroup:
                 raise ValueError("no rendezvous: pass rendezvous='host:port', set "
                                  "ASYNCCOLL_RENDEZVOUS, or start under `asynccoll run --elastic`")
             rendezvous = f"{host}:{port}"
+            source = "ASYNCCOLL_ADDR/MASTER_ADDR and ASYNCCOLL_PORT/MASTER_PORT"
         host, _, port_s = rendezvous.rpartition(":")
-        if not host or not port_s.isdigit():
-            raise ValueError(f"rendezvous must be host:port, got {rendezvous!r}")
-        if min_nodes < 1 or max_nodes < min_nodes:
-            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
-        if settle < 0:
-            raise ValueError(f"settle must be >= 0, got {settle}")
-        timeout = _check_timeout(timeout)
+        if not host or not port_s.isdigit() or int(port_s) > 65535:
+            raise ValueError(f"{source} must give host:port (port 0-65535), got {rendezvous!r}")
+        min_nodes, max_nodes = _check_nodes(min_nodes, max_nodes)
+        settle = _check_settle(settle)
+        timeout = check_timeout(timeout)
+        if not isinstance(job, str):
+            raise TypeError(f"job must be a str, got {job!r}")
         token = token if token is not None else os.environ.get("ASYNCCOLL_TOKEN")
         # (the rendezvous protocol bounds one request's wait; our own waits have no bound)
         client = await RendezvousClient.connect(host, int(port_s), token=token,

@@ -1,0 +1,114 @@
+"""The configuration surface as a user sets it: arguments of ``init``, ``run_local``,
+``ElasticGroup`` and ``RendezvousServer``, and the ``ASYNCCOLL_`` environment variables. A
+wrong type is a ``TypeError``, a wrong value a ``ValueError``, both naming the knob (or the
+variable) and raised before anything connects; the same rule for every timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asynccoll
+from asynccoll import Communicator
+from asynccoll.elastic import ElasticGroup
+from asynccoll.errors import RendezvousError
+from asynccoll.rendezvous import RendezvousServer
+
+#: nothing listens there: a connection attempt would raise RendezvousError, not the error
+#: a test expects from a check made before connecting
+NOWHERE = "127.0.0.1:1"
+
+BAD_TIMEOUTS = ["5", None, True, [1.0], -1.0, math.nan, -math.inf]
+
+
+def comm_timeout_error(bad: Any) -> type[BaseException]:
+    """What ``comm.timeout = bad`` raises: the reference rule."""
+    async def fn(comm: Communicator) -> type[BaseException]:
+        try:
+            comm.timeout = bad
+        except (TypeError, ValueError) as exc:
+            return type(exc)
+        raise AssertionError(f"comm.timeout = {bad!r} was taken")
+
+    return asyncio.run(asynccoll.run_local(fn, 1))[0]  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------- elastic group
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS)
+def test_elastic_timeout_is_checked_as_the_communicators(bad: Any) -> None:
+    """ElasticGroup refused ``timeout="5"`` with a ValueError where ``comm.timeout = "5"`` is
+    a TypeError, and refused 0, which the communicator takes: now one rule, the
+    communicator's, for ``connect``, the constructor and the settable attribute."""
+    expected = comm_timeout_error(bad)
+
+    async def main() -> None:
+        with pytest.raises(expected, match="timeout must be"):
+            await ElasticGroup.connect(timeout=bad, rendezvous=NOWHERE)
+        with pytest.raises(expected, match="timeout must be"):
+            ElasticGroup(None, min_nodes=1, max_nodes=1, settle=0.0, timeout=bad, token=None,
+                         tuning=None, job="j")
+        group = ElasticGroup(None, min_nodes=1, max_nodes=1, settle=0.0, timeout=np.float32(2),
+                             token=None, tuning=None, job="j")
+        assert group.timeout == 2.0 and type(group.timeout) is float
+        with pytest.raises(expected, match="timeout must be"):
+            group.timeout = bad
+        assert group.timeout == 2.0
+
+    asyncio.run(main())
+
+
+async def test_elastic_timeout_zero_is_a_timeout() -> None:
+    """0 is a timeout, as for a communicator and ``init``: nothing is waited for, so the
+    connection to the rendezvous gives up at once (RendezvousError, not ValueError)."""
+    async with RendezvousServer("127.0.0.1", 0) as server:
+        with pytest.raises(RendezvousError, match=r"within 0(\.0)? s"):
+            await ElasticGroup.connect(timeout=0, rendezvous=f"127.0.0.1:{server.port}")
+
+
+@pytest.mark.parametrize(("kw", "error", "match"), [
+    ({"min_nodes": "2"}, TypeError, "min_nodes must be an int"),
+    ({"min_nodes": 1.5}, TypeError, "min_nodes must be an int"),
+    ({"max_nodes": "4"}, TypeError, "max_nodes must be an int"),
+    ({"min_nodes": 0}, ValueError, "min_nodes"),
+    ({"settle": "1"}, TypeError, "settle must be a number"),
+    ({"settle": math.nan}, ValueError, "settle must be >= 0"),
+    ({"rendezvous": ("127.0.0.1", 1)}, TypeError, "rendezvous must be"),
+    ({"rendezvous": "127.0.0.1:70000"}, ValueError, "port 0-65535"),
+    ({"job": 3}, TypeError, "job must be a str"),
+])
+async def test_elastic_arguments_are_checked_before_connecting(kw: dict[str, Any],
+                                                              error: type, match: str) -> None:
+    """A string or float node count, a string or NaN ``settle``, a port out of range: each
+    raised a bare ``'<' not supported`` TypeError, was taken, or failed in the connection."""
+    kw.setdefault("rendezvous", NOWHERE)
+    with pytest.raises(error, match=match):
+        await ElasticGroup.connect(**kw)
+
+
+@pytest.mark.parametrize(("env", "match"), [
+    ({"ASYNCCOLL_MIN_NODES": "two"}, "ASYNCCOLL_MIN_NODES='two' is not an integer"),
+    ({"ASYNCCOLL_MAX_NODES": "4.0"}, "ASYNCCOLL_MAX_NODES='4.0' is not an integer"),
+    ({"ASYNCCOLL_MIN_NODES": "0"}, "ASYNCCOLL_MIN_NODES=0"),
+    ({"ASYNCCOLL_MIN_NODES": "3", "ASYNCCOLL_MAX_NODES": "2"}, "ASYNCCOLL_MAX_NODES=2"),
+    ({"ASYNCCOLL_RENDEZVOUS": "127.0.0.1"}, "ASYNCCOLL_RENDEZVOUS must give host:port"),
+    ({"ASYNCCOLL_PORT": "http"}, "ASYNCCOLL_PORT/MASTER_PORT must give host:port"),
+])
+async def test_elastic_environment_errors_name_the_variable(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], match: str) -> None:
+    """``ASYNCCOLL_MIN_NODES=two`` raised "invalid literal for int() with base 10", naming no
+    variable; ``ASYNCCOLL_MIN_NODES=0`` was taken as 1; a bad ``ASYNCCOLL_RENDEZVOUS`` was
+    reported as the argument ``rendezvous``."""
+    for name in ("ASYNCCOLL_MIN_NODES", "ASYNCCOLL_MAX_NODES", "ASYNCCOLL_RENDEZVOUS",
+                 "ASYNCCOLL_ADDR", "MASTER_ADDR", "ASYNCCOLL_PORT", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if "ASYNCCOLL_PORT" not in env and "ASYNCCOLL_RENDEZVOUS" not in env:
+        monkeypatch.setenv("ASYNCCOLL_RENDEZVOUS", NOWHERE)
+    with pytest.raises(ValueError, match=match):
+        await ElasticGroup.connect()
