@@ -66,4 +66,9 @@ class RendezvousError(CollectiveError):
     """The rendezvous server refused a request, or could not be reached in time."""
 
 
-__all__ += ["RendezvousError"]
+class RendezvousTimeout(RendezvousError, CollectiveTimeout):
+    """A world did not form within its ``timeout``: ranks that never joined the rendezvous
+    (the message names them). Both a ``RendezvousError`` and a ``CollectiveTimeout``."""
+
+
+__all__ += ["RendezvousError", "RendezvousTimeout"]

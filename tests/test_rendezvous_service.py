@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asynccoll.errors import AuthenticationError
+from asynccoll import CollectiveTimeout, Communicator
+from asynccoll.errors import AuthenticationError, RendezvousError
 from asynccoll.handshake import client_handshake
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer
 from asynccoll.transport.tcp_world import tcp_init
@@ -182,6 +183,30 @@ async def test_a_server_killed_under_a_running_world_does_not_touch_its_collecti
             for c in pair:
                 await c.close()
             assert time.monotonic() - t0 < 2.0
+
+
+async def test_a_rank_that_never_comes_is_a_collective_timeout_naming_it() -> None:
+    """Ranks 0 and 1 of 3 wait; rank 2 never comes. Each raises within its timeout a
+    ``CollectiveTimeout`` (it was a plain RendezvousError) naming rank 2; a rank that joins
+    late, within the others' timeout, is waited for."""
+    async with RendezvousServer(token=TOKEN) as server:
+        async def rank(r: int, size: int, delay: float, timeout: float) -> Communicator:
+            await asyncio.sleep(delay)
+            return await tcp_init(rank=r, world_size=size, rendezvous=f"127.0.0.1:{server.port}",
+                                  token=TOKEN, timeout=timeout)
+
+        async with asyncio.timeout(20):
+            late = await asyncio.gather(rank(0, 2, 0.0, 5.0), rank(1, 2, 1.0, 5.0))
+            for c in late:
+                await c.close()
+            t0 = time.monotonic()
+            results = await asyncio.gather(rank(0, 3, 0.0, 1.0), rank(1, 3, 0.0, 1.0),
+                                           return_exceptions=True)
+        assert time.monotonic() - t0 < 3.0
+        for exc in results:
+            assert isinstance(exc, CollectiveTimeout), results
+            assert isinstance(exc, RendezvousError), results
+            assert "never joined: rank 2" in str(exc), exc
 
 
 async def test_the_server_serves_a_world_through_silent_garbage_and_crowds(

@@ -22,7 +22,7 @@ from .._aio import is_loopback, uncancelled
 from .._exit_record import note_world
 from ..algorithms import power_of_two_fold
 from ..collectives import Communicator, check_int, check_timeout
-from ..errors import CollectiveError, RendezvousError
+from ..errors import CollectiveError, RendezvousError, RendezvousTimeout
 from ..tuning import Tuning
 from ..wire import DEFAULT_MAX_PAYLOAD_BYTES
 from .tcp import TcpTransport, _env
@@ -152,11 +152,12 @@ def _other_sizes(members: dict[int, list[Any]], world_size: int) -> str:
 
 async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: int,
                     mine: tuple[str, int], seen: str = "") -> CollectiveError:
-    """The error for a roster that did not fill in time: which ranks never joined, unless
-    those that did were started inconsistently (``_check_roster``: another world size,
-    another process joined as this rank, replacing its entry). ``seen``: the ranks started
-    with another world size that the roster held before this rank joined (a world of
-    theirs that had formed: this rank's join started the next roster without them)."""
+    """The error for a roster that did not fill in time: which ranks never joined
+    (``RendezvousTimeout``), unless those that did were started inconsistently
+    (``_check_roster``: another world size, another process joined as this rank, replacing
+    its entry). ``seen``: the ranks started with another world size that the roster held
+    before this rank joined (a world of theirs that had formed: this rank's join started the
+    next roster without them)."""
     try:
         members = (await client.roster(timeout=0))["members"]
     except (RendezvousError, OSError):
@@ -177,8 +178,8 @@ async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: in
     hint = (f" (when this rank ({rank}) joined, the rendezvous held a world of processes "
             f"started with another world size: {seen}; every rank needs the same world "
             f"size)") if seen else ""
-    return RendezvousError(f"{exc}; never joined: rank{'s' * (len(missing) > 1)} "
-                           f"{listed}{hint}")
+    return RendezvousTimeout(f"{exc}; never joined: rank{'s' * (len(missing) > 1)} "
+                             f"{listed}{hint}")
 
 
 def roster_job(members: dict[int, list[Any]]) -> str:
