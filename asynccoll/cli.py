@@ -846,18 +846,8 @@ class _Launcher:
             self.store = server.store
         try:
             if self.nnodes > 1:
-                if not await self._connect_nodes():
-                    return 1
-                try:
-                    refused = await self._join_nodes()
-                except Exception as exc:
-                    self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
-                    return 1
-                if refused is not None:
-                    why, code = refused
-                    self._say(f"asynccoll run: {why}\n")
-                    if code != 2:  # (the job failed: this node's part of it is over)
-                        await self._end_nodes()
+                code = await self._interruptible(self._meet_nodes())
+                if code is not None:
                     return code
             return await self._run(server.port if server is not None else self.port)
         finally:
@@ -865,6 +855,49 @@ class _Launcher:
                 await self.client.close()
             if server is not None:
                 await server.close()
+
+    async def _meet_nodes(self) -> int | None:
+        """Several nodes, before this node's ranks start: connect to node 0's rendezvous
+        and join the job there; None, or the launcher's exit code when it must not start
+        its ranks."""
+        if not await self._connect_nodes():
+            return 1
+        try:
+            refused = await self._join_nodes()
+        except Exception as exc:
+            self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
+            return 1
+        if refused is not None:
+            why, code = refused
+            self._say(f"asynccoll run: {why}\n")
+            if code != 2:  # (the job failed: this node's part of it is over)
+                await self._end_nodes()
+            return code
+        return None
+
+    async def _interruptible(self, coro: Any) -> Any:
+        """Await ``coro`` (before any rank started), ending it on Ctrl-C, SIGTERM or SIGHUP:
+        then say so, tell the other nodes, and return 130 (no traceback, nothing left)."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(coro)
+
+        def on_interrupt() -> None:
+            self.interrupted = True
+            task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is None:
+                continue
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, on_interrupt)
+        try:  # (_run replaces the handlers with its own)
+            return await task
+        except asyncio.CancelledError:
+            if not self.interrupted or not task.cancelled():
+                raise
+        self._say("asynccoll run: interrupted before this node's ranks started\n")
+        await self._tell_nodes(None, 130)
+        return 130
 
     async def _run(self, rdv_port: int) -> int:
         """Start this node's ranks and watch them until they end; the exit code."""

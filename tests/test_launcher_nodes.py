@@ -288,3 +288,20 @@ def test_a_node_waiting_for_node_0_says_what_it_waits_for(reaper: Callable[..., 
     assert time.monotonic() - began < 5
     assert proc.popen.poll() is None, proc.output  # (still waiting)
     proc.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_launcher_interrupted_while_it_waits_for_node_0(reaper: Callable[..., Proc],
+                                                           sig: signal.Signals) -> None:
+    """Ctrl-C to a launcher waiting for node 0's rendezvous ended it with a KeyboardInterrupt
+    traceback (SIGTERM: killed by the signal, without a word). It says it was interrupted
+    and exits 130, as it does once its ranks run."""
+    port = free_fixed_port()
+    proc = node(reaper, 1, port, "check")
+    assert proc.wait_for(lambda lines: any("waiting for node 0's" in line for line in lines),
+                         5), proc.output
+    proc.popen.send_signal(sig)
+    assert proc.finish(5) == 130, proc.output
+    assert "Traceback" not in proc.output, proc.output
+    assert proc.lines[-1] == "asynccoll run: interrupted before this node's ranks started", \
+        proc.output
