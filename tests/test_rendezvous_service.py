@@ -162,6 +162,42 @@ async def test_a_jobs_keys_and_roster_go_with_its_last_connection() -> None:
             assert server.jobs == [""]
 
 
+async def test_a_server_killed_while_the_world_forms_is_a_prompt_clear_error() -> None:
+    """Rank 0 of 2 waits in the standalone rendezvous for rank 1; the server is killed. The
+    rank raised at once, but blamed 'a rendezvous that rank 0 hosts' (there is none here).
+    It now names the standalone rendezvous; and one restarted on the same port serves the
+    next world."""
+    server = await Standalone.start()
+    port = server.port
+    try:
+        async with asyncio.timeout(20):
+            rank0 = asyncio.create_task(tcp_init(
+                rank=0, world_size=2, rendezvous=server.address, token=TOKEN, timeout=8.0))
+            async with await server.client() as c:
+                await until_joined([c], 1)
+            t0 = time.monotonic()
+            await server.kill()
+            with pytest.raises(RendezvousError) as info:
+                await rank0
+            assert time.monotonic() - t0 < 2.0
+            message = str(info.value)
+            assert "rank 0 hosts" not in message, message
+            assert f"the standalone rendezvous at {server.address}" in message, message
+            assert "rank 0 waited for 2 ranks to join the roster" in message, message
+
+            server = await Standalone.start(port)
+            pair = await asyncio.gather(*(tcp_init(
+                rank=r, world_size=2, rendezvous=server.address, token=TOKEN, timeout=8.0)
+                for r in range(2)))
+            got = await asyncio.gather(*(c.all_reduce(np.ones(2)) for c in pair))
+            for g in got:
+                np.testing.assert_array_equal(g, [2.0, 2.0])
+            for c in pair:
+                await c.close()
+    finally:
+        await server.kill()
+
+
 async def test_a_server_killed_under_a_running_world_does_not_touch_its_collectives(
         standalone: Standalone) -> None:
     """The ranks talk peer to peer once the world formed: killing the standalone rendezvous

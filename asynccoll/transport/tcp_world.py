@@ -151,22 +151,29 @@ def _other_sizes(members: dict[int, list[Any]], world_size: int) -> str:
 
 
 async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: int,
-                    mine: tuple[str, int], seen: str = "") -> CollectiveError:
+                    mine: tuple[str, int], seen: str = "", standalone: str = ""
+                    ) -> CollectiveError:
     """The error for a roster that did not fill in time: which ranks never joined
     (``RendezvousTimeout``), unless those that did were started inconsistently
     (``_check_roster``: another world size, another process joined as this rank, replacing
     its entry). ``seen``: the ranks started with another world size that the roster held
     before this rank joined (a world of theirs that had formed: this rank's join started the
-    next roster without them)."""
+    next roster without them). ``standalone``: the address of the standalone rendezvous
+    (``ASYNCCOLL_RENDEZVOUS``) the rank uses, empty when rank 0 hosts it."""
     try:
         members = (await client.roster(timeout=0))["members"]
     except (RendezvousError, OSError):
+        waited = f"while rank {rank} waited for {world_size} ranks to join the roster"
+        if standalone:  # stopped, killed or restarted: its roster went with it
+            return RendezvousError(
+                f"{exc} ({waited}; the standalone rendezvous at {standalone} is gone: it was "
+                f"stopped, killed or restarted, and the roster with it; start the job's ranks "
+                f"again once it runs)")
         # the rendezvous itself is gone: rank 0, hosting it, gave up before this rank (it
         # joined first, so its wait ended first) and closed it, or it died or was stopped
         return RendezvousError(
-            f"{exc} (while rank {rank} waited for {world_size} ranks to join the roster; a "
-            f"rendezvous that rank 0 hosts closes when rank 0 gives up waiting: its error "
-            f"names the ranks that never joined)")
+            f"{exc} ({waited}; a rendezvous that rank 0 hosts closes when rank 0 gives up "
+            f"waiting: its error names the ranks that never joined)")
     try:
         _check_roster(members, rank, world_size, mine)
     except CollectiveError as inconsistent:
@@ -273,8 +280,8 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         try:
             roster = await client.roster(world_size, wait)
         except RendezvousError as exc:
-            raise await _unfilled(client, exc, rank, world_size, (advertised, lport),
-                                  seen) from None
+            raise await _unfilled(client, exc, rank, world_size, (advertised, lport), seen,
+                                  "" if host_rendezvous else rendezvous or "") from None
         members = roster["members"]
         _check_roster(members, rank, world_size, (advertised, lport))
         for r, entry in members.items():
