@@ -351,6 +351,9 @@ class _Launcher:
                                 self._pump(rank, proc.stderr, sys.stderr))
         self.procs.append(proc)
         self.outputs.append(output)
+        if self.interrupted:  # (a Ctrl-C while it started, sent to those that ran then)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGINT)
         self.watchers.append(asyncio.ensure_future(self._watch(rank, proc, output, rdv_port,
                                                                local)))
 
@@ -920,6 +923,8 @@ class _Launcher:
                   asyncio.ensure_future(self._heartbeat())] if self.client is not None else [])
         try:
             for local in range(self.n):
+                if self.interrupted:  # (Ctrl-C while they start: those started have it)
+                    break
                 await self.spawn(self.node_rank * self.n + local, rdv_port, local)
             interrupt = asyncio.ensure_future(interrupted.wait())
             # (the list grows when an elastic run starts a replacement)

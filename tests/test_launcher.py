@@ -961,3 +961,34 @@ def test_a_rank_record_names_the_rank_its_failure_came_from(error: str,
            "own-mismatch": CollectiveError("ranks disagree: world rank 1 called broadcast"),
            "none": None}[error]
     assert peer_cause(exc, 0) == peer
+
+
+async def test_ctrl_c_while_the_ranks_start_starts_no_more(tmp_path: Path) -> None:
+    """Ctrl-C after the launcher started the first of its ranks and before the others: it
+    went on starting them, after the SIGINT was sent to those that ran, so they ran on
+    until the SIGKILL 5 s later. It starts no more, and ends at once."""
+    from asynccoll.cli import _Launcher
+
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\ntime.sleep(30)\n")
+    launcher = _Launcher(4, [sys.executable, str(script)], addr="127.0.0.1", port=0,
+                         token="t", bind="127.0.0.1")
+    spawn = launcher.spawn
+
+    async def spawn_then_ctrl_c(rank: int, rdv_port: int, local: int) -> None:
+        await spawn(rank, rdv_port, local)
+        if rank == 1:  # (the loop's handler runs at the next start's first wait)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    launcher.spawn = spawn_then_ctrl_c  # type: ignore[method-assign]
+    began = time.monotonic()
+    try:
+        code = await asyncio.wait_for(launcher._run(0), 20)
+    finally:
+        launcher._signal_all(signal.SIGKILL)
+    assert code == 130
+    assert time.monotonic() - began < 3.0
+    assert len(launcher.procs) <= 3
+    # (ended by the SIGINT: killed by it, or its KeyboardInterrupt; not SIGKILLed)
+    assert all(p.returncode in (-signal.SIGINT, 1) for p in launcher.procs), \
+        [p.returncode for p in launcher.procs]
