@@ -150,8 +150,17 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
     ``ASYNCCOLL_PORT``/``MASTER_PORT``, ``ASYNCCOLL_TOKEN``).
 
     Backends:
-        ``"tcp"``: the rendezvous and a ring of TCP connections. Option ``gpu_staging=True``:
-        also take CuPy arrays, staged through pinned host memory.
+        ``"tcp"``: the rendezvous and a ring of TCP connections. Options:
+        ``handshake_timeout`` (seconds a connection may take to finish its handshake, for
+        this rank and the rendezvous it hosts; default ``ASYNCCOLL_HANDSHAKE_TIMEOUT``, else
+        5 s: raise it on a loaded machine or with hundreds of ranks),
+        ``max_payload`` (bytes one frame may carry, default 4 GiB), ``peer_loss``
+        (``"abort"``, the default, or ``"isolate"``), ``rendezvous`` (``host:port`` of a
+        standalone rendezvous, default ``ASYNCCOLL_RENDEZVOUS``), ``bind`` (the address this
+        rank listens on, default ``ASYNCCOLL_BIND``, else the one it reaches the rendezvous
+        from), ``host_rendezvous`` (default: rank 0 hosts it unless ``rendezvous`` is set),
+        ``job`` (default ``ASYNCCOLL_JOB_ID``), ``gpu_staging=True`` (also take CuPy arrays,
+        staged through pinned host memory).
         ``"mpi"``: mpi4py under ``mpirun``/``mpiexec``; rank and size come from MPI (``addr``,
         ``port`` and ``token`` do not apply). Options: ``comm`` (an mpi4py communicator,
         default ``COMM_WORLD``), ``check_signatures`` (default ``True``).

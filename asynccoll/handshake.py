@@ -24,6 +24,9 @@ import enum
 import hashlib
 import hmac
 import logging
+import math
+import numbers
+import os
 import secrets
 from typing import Any, Final
 
@@ -63,8 +66,52 @@ REASON_PROTOCOL: Final = "protocol error"
 
 _U32: Final = (1 << 32) - 1
 
+#: Seconds a connection (to a rendezvous server, between ranks) may take from being opened
+#: to the end of its handshake, unless ``ASYNCCOLL_HANDSHAKE_TIMEOUT`` or an argument says
+#: otherwise (``handshake_timeout``).
+DEFAULT_HANDSHAKE_TIMEOUT: Final = 5.0
+#: The environment variable that sets the handshake timeout of every rendezvous server and
+#: rank of a process (``asynccoll run`` passes its environment on to its ranks).
+HANDSHAKE_TIMEOUT_ENV: Final = "ASYNCCOLL_HANDSHAKE_TIMEOUT"
+
 
 # ----------------------------------------------------------------------------------- helpers
+
+def handshake_timeout(value: object = None) -> float:
+    """The handshake timeout in seconds: ``value``, else the environment variable
+    ``ASYNCCOLL_HANDSHAKE_TIMEOUT``, else ``DEFAULT_HANDSHAKE_TIMEOUT`` (5 s).
+
+    It bounds how long a connection may take to finish the handshake: a server (the
+    rendezvous, a rank accepting a peer) drops one that has not finished by then (a slow or
+    silent client costs at most that long), and a rank dialling a peer gives up on it (that
+    peer is lost). Raise it where connecting takes longer: a loaded machine, hundreds of
+    ranks dialling at once.
+
+    Raises:
+        TypeError: ``value`` is not a number (a bool is not one).
+        ValueError: ``value`` is not finite and > 0, or the variable holds no such number
+            (the error names the variable).
+    """
+    if value is None:
+        raw = os.environ.get(HANDSHAKE_TIMEOUT_ENV)
+        if raw is None or not raw.strip():
+            return DEFAULT_HANDSHAKE_TIMEOUT
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds < math.inf:
+            raise ValueError(f"{HANDSHAKE_TIMEOUT_ENV}={raw!r} is not a number of seconds "
+                             f"> 0 (finite)") from None
+        return seconds
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"handshake_timeout must be a number of seconds, got {value!r}")
+    seconds = float(value)
+    if not 0 < seconds < math.inf:  # NaN too
+        raise ValueError(f"handshake_timeout must be a finite number of seconds > 0, "
+                         f"got {value!r}")
+    return seconds
+
 
 def normalize_token(token: str | bytes | bytearray | memoryview | None) -> bytes:
     """The token as HMAC key bytes: ``str`` is UTF-8 encoded, ``None`` means ``b""``.
@@ -511,7 +558,8 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 
 __all__ = [
-    "CLIENT_LABEL", "NONCE_BYTES", "PROOF_BYTES", "ROLES", "SERVER_LABEL", "ClientHandshake",
-    "ServerHandshake", "client_handshake", "client_proof", "normalize_token", "read_frame",
+    "CLIENT_LABEL", "DEFAULT_HANDSHAKE_TIMEOUT", "HANDSHAKE_TIMEOUT_ENV", "NONCE_BYTES",
+    "PROOF_BYTES", "ROLES", "SERVER_LABEL", "ClientHandshake", "ServerHandshake",
+    "client_handshake", "client_proof", "handshake_timeout", "normalize_token", "read_frame",
     "server_handshake", "server_proof", "write_frame",
 ]

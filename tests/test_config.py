@@ -112,3 +112,101 @@ async def test_elastic_environment_errors_name_the_variable(
         monkeypatch.setenv("ASYNCCOLL_RENDEZVOUS", NOWHERE)
     with pytest.raises(ValueError, match=match):
         await ElasticGroup.connect()
+
+
+# --------------------------------------------------------------------- handshake timeout
+
+async def _silent_connection_lasts(host: str, port: int, limit: float) -> float:
+    """Seconds until the server at ``host:port`` drops a connection that never says a word
+    (at most ``limit``: then it was still open)."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection(host, port)
+    start = loop.time()
+    try:
+        async with asyncio.timeout(limit):
+            while await reader.read(4096):
+                pass
+    except TimeoutError:
+        pass
+    finally:
+        writer.close()
+    return loop.time() - start
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+async def test_handshake_timeout_is_settable(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The 5 s handshake limit was fixed (``HANDSHAKE_TIMEOUT``): neither a loaded machine
+    nor hundreds of ranks could raise it. ``ASYNCCOLL_HANDSHAKE_TIMEOUT`` (every server and
+    rank of the process) or ``init(..., handshake_timeout=)`` (this rank and the rendezvous
+    it hosts) set it: a silent connection is dropped after that long, not after 5 s, and a
+    longer limit keeps it open longer."""
+    monkeypatch.delenv("ASYNCCOLL_HANDSHAKE_TIMEOUT", raising=False)
+    kw: dict[str, Any] = {}
+    if how == "env":
+        monkeypatch.setenv("ASYNCCOLL_HANDSHAKE_TIMEOUT", "0.3")
+    else:
+        kw["handshake_timeout"] = 0.3
+    comm = await asynccoll.init("tcp", rank=0, world_size=1, port=0, timeout=5, **kw)
+    async with comm:
+        assert comm.transport.handshake_timeout == 0.3  # type: ignore[attr-defined]
+        host, port = comm.transport.addresses[0]  # type: ignore[attr-defined]
+        assert await _silent_connection_lasts(host, port, 3.0) < 2.0
+    if how == "env":
+        async with RendezvousServer("127.0.0.1", 0) as srv:
+            assert await _silent_connection_lasts("127.0.0.1", srv.port, 3.0) < 2.0
+        monkeypatch.setenv("ASYNCCOLL_HANDSHAKE_TIMEOUT", "2.5")
+    else:
+        kw["handshake_timeout"] = 2.5
+    async with RendezvousServer("127.0.0.1", 0, **kw) as srv:
+        # a longer limit: still open after 1 s (the old fixed 5 s would pass this too; the
+        # check above is the one 5 s fails)
+        assert await _silent_connection_lasts("127.0.0.1", srv.port, 1.0) >= 1.0
+
+
+async def test_handshake_timeout_of_the_hosted_rendezvous(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The rendezvous rank 0 hosts takes ``init``'s ``handshake_timeout`` too."""
+    monkeypatch.delenv("ASYNCCOLL_HANDSHAKE_TIMEOUT", raising=False)
+    async with RendezvousServer("127.0.0.1", 0) as probe:
+        port = probe.port  # a free port (the server is gone once it closes)
+    task = asyncio.ensure_future(asynccoll.init("tcp", rank=0, world_size=2, port=port,
+                                                timeout=5, handshake_timeout=0.3))
+    try:
+        lasted = None
+        for _ in range(100):  # until rank 0's rendezvous listens
+            try:
+                lasted = await _silent_connection_lasts("127.0.0.1", port, 3.0)
+                break
+            except OSError:
+                await asyncio.sleep(0.02)
+        assert lasted is not None and lasted < 2.0
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize(("bad", "error"), [("5", TypeError), (True, TypeError),
+                                            (0, ValueError), (-1.0, ValueError),
+                                            (math.nan, ValueError), (math.inf, ValueError)])
+async def test_bad_handshake_timeout_is_refused_before_connecting(bad: Any,
+                                                                  error: type) -> None:
+    with pytest.raises(error, match="handshake_timeout must be"):
+        # (rendezvous: nothing listens there, so connecting would raise RendezvousError)
+        await asynccoll.init("tcp", rank=1, world_size=2, rendezvous=NOWHERE, timeout=1,
+                             handshake_timeout=bad)
+    with pytest.raises(error, match="handshake_timeout must be"):
+        await asynccoll.run_local(lambda c: asyncio.sleep(0), 2, "tcp", handshake_timeout=bad)
+    with pytest.raises(error, match="handshake_timeout must be"):
+        RendezvousServer("127.0.0.1", 0, handshake_timeout=bad)
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "nan", "inf"])
+async def test_bad_handshake_timeout_variable_is_named(monkeypatch: pytest.MonkeyPatch,
+                                                       raw: str) -> None:
+    monkeypatch.setenv("ASYNCCOLL_HANDSHAKE_TIMEOUT", raw)
+    match = f"ASYNCCOLL_HANDSHAKE_TIMEOUT='{raw}' is not a number of seconds"
+    with pytest.raises(ValueError, match=match):
+        await asynccoll.init("tcp", rank=1, world_size=2, rendezvous=NOWHERE, timeout=1)
+    with pytest.raises(ValueError, match=match):
+        RendezvousServer("127.0.0.1", 0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._aio import close_server, is_loopback, uncancelled, wait_server_closed
 from ..errors import ProtocolError
+from ..handshake import handshake_timeout as resolve_handshake_timeout
 from ..handshake import normalize_token, read_frame, server_handshake, write_frame
 from ..wire import Frame, FrameHeader, FrameKind
 from ._common import (
@@ -94,7 +96,9 @@ class RendezvousServer:
         job: when not empty, clients announcing another job id are rejected. When empty (a
             standalone server shared by jobs), each job id that clients announce gets a store,
             roster and generation of its own (see ``store``).
-        handshake_timeout: a connection that has not finished the handshake by then is dropped.
+        handshake_timeout: seconds; a connection that has not finished the handshake by then
+            is dropped (default: ``ASYNCCOLL_HANDSHAKE_TIMEOUT``, else 5 s; see
+            ``asynccoll.handshake.handshake_timeout``).
         max_value_bytes: largest value (frame payload) accepted; a larger frame drops the
             connection that sent it. Announced to clients in WELCOME, so that a well-behaved
             client refuses a larger value itself (``ValueError``) before sending it.
@@ -113,14 +117,20 @@ class RendezvousServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  token: str | bytes | None = None, job: str = "",
-                 handshake_timeout: float = 5.0, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 handshake_timeout: float | None = None,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
                  send_timeout: float = 30.0) -> None:
-        if not (isinstance(handshake_timeout, int | float) and handshake_timeout > 0):
-            raise ValueError("handshake_timeout must be a positive number")
-        if type(max_value_bytes) is not int or max_value_bytes < 0:
-            raise ValueError("max_value_bytes must be a non-negative int")
-        if not (isinstance(send_timeout, int | float) and send_timeout > 0):
-            raise ValueError("send_timeout must be a positive number")
+        # a wrong type is a TypeError, a wrong value a ValueError, each naming the argument
+        handshake_timeout = resolve_handshake_timeout(handshake_timeout)
+        if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int):
+            raise TypeError(f"max_value_bytes must be an int, got {max_value_bytes!r}")
+        if max_value_bytes < 0:
+            raise ValueError(f"max_value_bytes must be >= 0, got {max_value_bytes}")
+        if isinstance(send_timeout, bool) or not isinstance(send_timeout, int | float):
+            raise TypeError(f"send_timeout must be a number of seconds, got {send_timeout!r}")
+        if not 0 < send_timeout < math.inf:
+            raise ValueError(f"send_timeout must be a finite number of seconds > 0, "
+                             f"got {send_timeout!r}")
         if token is not None and not isinstance(token, str | bytes):
             raise TypeError("token must be str, bytes or None")
         normalize_token(token)  # (a str that cannot be a key: now, not at every connection)
@@ -129,7 +139,7 @@ class RendezvousServer:
         self._bind = (host, port)
         self._token = token
         self._server_job = job
-        self._handshake_timeout = float(handshake_timeout)
+        self._handshake_timeout = handshake_timeout
         self._max_value_bytes = max_value_bytes
         self._send_timeout = float(send_timeout)
         #: the namespace of the empty job id (clients that announce none)

@@ -69,12 +69,14 @@ from ..errors import (
     ProtocolError,
 )
 from ..handshake import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
     REASON_JOB,
     REASON_PROTOCOL,
     ClientHandshake,
     ServerHandshake,
     normalize_token,
 )
+from ..handshake import handshake_timeout as resolve_handshake_timeout
 from ..wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Frame,
@@ -105,7 +107,9 @@ def check_peer_loss(mode: str) -> str:
         raise ValueError(f"peer_loss must be one of {', '.join(PEER_LOSS_MODES)}, got {mode!r}")
     return mode
 
-HANDSHAKE_TIMEOUT = 5.0
+#: the default handshake timeout, unless ``ASYNCCOLL_HANDSHAKE_TIMEOUT`` or the argument
+#: ``handshake_timeout`` sets one (``asynccoll.handshake.handshake_timeout``)
+HANDSHAKE_TIMEOUT = DEFAULT_HANDSHAKE_TIMEOUT
 #: the staging buffer of a connection until it authenticated (handshake frames are ~100 B;
 #: a longer head makes it grow)
 HANDSHAKE_STAGE_BYTES = 4096
@@ -657,7 +661,7 @@ class TcpTransport(Transport):
 
     def __init__(self, rank: int, world_size: int, *, token: str | bytes | None = None,
                  job: str = "", max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT,
+                 handshake_timeout: float | None = None,
                  peer_loss: str = "abort") -> None:
         super().__init__(rank, world_size)
         self.mailbox.reclaim = self.scratch.reclaim
@@ -667,7 +671,8 @@ class TcpTransport(Transport):
         self.token = token
         self.job = job
         self.max_payload = max_payload
-        self.handshake_timeout = handshake_timeout
+        #: seconds a connection may take to connect and finish the handshake
+        self.handshake_timeout = resolve_handshake_timeout(handshake_timeout)
         self.addresses: dict[int, tuple[str, int]] = {}
         self._server: asyncio.Server | None = None
         self._out: dict[int, _Connection] = {}

@@ -23,6 +23,7 @@ from .._exit_record import note_world
 from ..algorithms import power_of_two_fold
 from ..collectives import Communicator, check_int, check_timeout
 from ..errors import CollectiveError, RendezvousError, RendezvousTimeout
+from ..handshake import handshake_timeout as resolve_handshake_timeout
 from ..tuning import Tuning
 from ..wire import DEFAULT_MAX_PAYLOAD_BYTES
 from .tcp import TcpTransport, _env
@@ -212,11 +213,14 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                    rendezvous: str | None = None, bind: str | None = None,
                    host_rendezvous: bool | None = None,
                    max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                   peer_loss: str = "abort", job: str | None = None) -> Communicator:
+                   peer_loss: str = "abort", job: str | None = None,
+                   handshake_timeout: float | None = None) -> Communicator:
     """Join a TCP world; see ``asynccoll.init``. ``job`` (else ``ASYNCCOLL_JOB_ID``, else
     none): the job id this rank announces to the rendezvous, whose keys and roster are the
     job's own (a standalone rendezvous serves several jobs at once that way); a rendezvous
-    rank 0 hosts accepts only that job's ranks."""
+    rank 0 hosts accepts only that job's ranks. ``handshake_timeout`` (else
+    ``ASYNCCOLL_HANDSHAKE_TIMEOUT``, else 5 s): see ``asynccoll.handshake.handshake_timeout``;
+    it applies to this rank's connections and to the rendezvous it hosts."""
     from ..rendezvous import RendezvousClient, RendezvousServer
     from ..rendezvous._common import MAX_WAIT_TIMEOUT
 
@@ -226,6 +230,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         raise ValueError("rank and world_size must be given (arguments, ASYNCCOLL_RANK/RANK and "
                          "ASYNCCOLL_WORLD_SIZE/WORLD_SIZE); start processes with `asynccoll run`")
     check_timeout(timeout)  # before anything is opened
+    handshake_timeout = resolve_handshake_timeout(handshake_timeout)
     # the rendezvous bounds a wait to a day: a longer timeout (inf: none) waits that long
     wait = min(float(timeout), MAX_WAIT_TIMEOUT)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -252,7 +257,8 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     if host_rendezvous:
         # the address the ranks reach it on (127.0.0.2 too: a socket bound to 127.0.0.1
         # does not answer there), IPv4 for "localhost" and an IPv4-mapped address
-        server = RendezvousServer(_bind_address(addr), rdv_port, token=token, job=job)
+        server = RendezvousServer(_bind_address(addr), rdv_port, token=token, job=job,
+                                  handshake_timeout=handshake_timeout)
         try:
             await server.start()
         except OSError as exc:  # asyncio's message names neither the rendezvous nor the fix
@@ -269,7 +275,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
             # the address this machine uses to reach the rendezvous is one the others can reach
             bind = _local_ip(client) if not is_loopback(rdv_host) else "127.0.0.1"
         transport = TcpTransport(rank, world_size, token=token, max_payload=max_payload,
-                                 peer_loss=peer_loss)
+                                 peer_loss=peer_loss, handshake_timeout=handshake_timeout)
         host, lport = await transport.listen(bind, 0)
         advertised = host if host not in ("0.0.0.0", "::") else _local_ip(client)
         # (a world whose ranks were started with another world size, formed before this rank
@@ -316,6 +322,7 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
                           timeout: float = 60.0, token: str | bytes | None = None,
                           job: str = "", tuning: Tuning | None = None,
                           bind: str | None = None, peer_loss: str = "abort",
+                          handshake_timeout: float | None = None,
                           max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Communicator:
     """Form a TCP world whose ranks publish their addresses as rendezvous keys.
 
@@ -334,7 +341,8 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
         host, _ = client.local_address
         bind = "127.0.0.1" if is_loopback(host) else host
     transport = TcpTransport(rank, world_size, token=token, job=job, max_payload=max_payload,
-                             peer_loss=peer_loss)
+                             peer_loss=peer_loss,
+                             handshake_timeout=resolve_handshake_timeout(handshake_timeout))
     try:
         host, lport = await transport.listen(bind, 0)
         await client.set(f"{prefix}/crowded/{rank}", b"1" if transport.yields else b"0")
@@ -360,16 +368,19 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
 async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
                           tuning: Tuning | None = None, token: str | bytes | None = None,
                           max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                          peer_loss: str = "abort") -> list[Communicator]:
+                          peer_loss: str = "abort", handshake_timeout: float | None = None
+                          ) -> list[Communicator]:
     """``world_size`` TCP ranks in this event loop, over loopback sockets and a real rendezvous."""
     from ..rendezvous import RendezvousServer
 
-    server = RendezvousServer("127.0.0.1", 0, token=token)
+    check_timeout(timeout)
+    handshake_timeout = resolve_handshake_timeout(handshake_timeout)
+    server = RendezvousServer("127.0.0.1", 0, token=token, handshake_timeout=handshake_timeout)
     await server.start()
     ranks = [asyncio.ensure_future(tcp_init(
         rank=r, world_size=world_size, addr="127.0.0.1", port=server.port, timeout=timeout,
         token=token, tuning=tuning, host_rendezvous=False, max_payload=max_payload,
-        peer_loss=peer_loss)) for r in range(world_size)]
+        peer_loss=peer_loss, handshake_timeout=handshake_timeout)) for r in range(world_size)]
 
     async def close_all() -> None:
         for c in await asyncio.gather(*ranks, return_exceptions=True):
