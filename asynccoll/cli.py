@@ -1099,7 +1099,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "stdout to stdout, its stderr to stderr); the start of an unfinished line "
                     "shows after 0.1 s without more, and a progress bar redrawn after a "
                     "carriage return keeps its prefix. When a rank fails, the others are "
-                    "stopped and the launcher exits with its code (unless --elastic). A job "
+                    "stopped and the launcher exits with its code (unless --elastic): that of "
+                    "the rank whose failure was its own, not of one that failed because of "
+                    "it (see ASYNCCOLL_ERROR_FILE in docs/backends/tcp.md). A job "
                     "on several machines runs one launcher on each (--nnodes, --node-rank): "
                     "a failure on any node stops every node's ranks.")
     run.add_argument("-n", "--nproc", dest="n", type=int, required=True,
