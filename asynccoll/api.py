@@ -154,7 +154,7 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
         ``handshake_timeout`` (seconds a connection may take to finish its handshake, for
         this rank and the rendezvous it hosts; default ``ASYNCCOLL_HANDSHAKE_TIMEOUT``, else
         5 s: raise it on a loaded machine or with hundreds of ranks),
-        ``max_payload`` (bytes one frame may carry, default 4 GiB), ``peer_loss``
+        ``max_payload`` (bytes one frame may carry, default 4 GiB, at least 512), ``peer_loss``
         (``"abort"``, the default, or ``"isolate"``), ``rendezvous`` (``host:port`` of a
         standalone rendezvous, default ``ASYNCCOLL_RENDEZVOUS``), ``bind`` (the address this
         rank listens on, default ``ASYNCCOLL_BIND``, else the one it reaches the rendezvous

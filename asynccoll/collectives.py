@@ -130,7 +130,8 @@ def _pack_object(obj: Any, rank: int, limit: int | None = None) -> np.ndarray:
     than ``limit`` bytes (what one frame may carry), becomes a marker carrying the error,
     which the call moves like any object, so that every rank raises it (``_unpack_object``):
     raising here, before the call, left the other ranks waiting for this one until their
-    timeout broke the world, and sending it broke the world at once."""
+    timeout broke the world, and sending it broke the world at once. A marker longer than
+    ``limit`` is cut to it."""
     try:
         data = msgpack.packb(obj, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -142,6 +143,9 @@ def _pack_object(obj: Any, rank: int, limit: int | None = None) -> np.ndarray:
                 f"the object of group rank {rank} packs to {len(data)} bytes, more than one "
                 f"frame may carry (max_payload: {limit} bytes): split it, or raise "
                 f"max_payload on every rank").encode()
+    if limit is not None and len(data) > limit and data[0] == _UNSENDABLE:
+        # the error must travel too: cut (a long message of msgpack's, a small max_payload)
+        data = data[:max(limit - 3, 2)] + b"..."[:max(limit - 2, 0)]
     return np.frombuffer(data, dtype=np.uint8)
 
 

@@ -210,3 +210,60 @@ async def test_bad_handshake_timeout_variable_is_named(monkeypatch: pytest.Monke
         await asynccoll.init("tcp", rank=1, world_size=2, rendezvous=NOWHERE, timeout=1)
     with pytest.raises(ValueError, match=match):
         RendezvousServer("127.0.0.1", 0)
+
+
+# --------------------------------------------------------------------------- max_payload
+
+@pytest.mark.parametrize(("bad", "error", "match"), [
+    (100, ValueError, "max_payload must be from 512 bytes"),
+    (0, ValueError, "max_payload must be from 512 bytes"),
+    (-1, ValueError, "max_payload must be from 512 bytes"),
+    ((1 << 40) + 1, ValueError, "max_payload must be from 512 bytes"),
+    ("4096", TypeError, "max_payload must be an int"),
+    (4096.0, TypeError, "max_payload must be an int"),
+    (True, TypeError, "max_payload must be an int"),
+])
+async def test_bad_max_payload_is_refused_before_connecting(bad: Any, error: type,
+                                                            match: str) -> None:
+    """A ``max_payload`` below what an object collective's error needs (~150 bytes) broke
+    the world at the first object that did not fit: the error itself did not fit in a frame
+    (the sender raised "an array of 149 bytes is larger than one frame may carry", every
+    other rank a CollectiveError). A string was taken and failed in the transport's frame
+    reader, -1 was taken and every frame broke the protocol. Now refused up front."""
+    with pytest.raises(error, match=match):
+        await asynccoll.run_local(lambda c: asyncio.sleep(0), 2, "tcp", max_payload=bad)
+    with pytest.raises(error, match=match):
+        await asynccoll.init("tcp", rank=1, world_size=2, rendezvous=NOWHERE, timeout=1,
+                             max_payload=bad)
+
+
+async def test_object_errors_fit_the_smallest_max_payload() -> None:
+    """At the smallest ``max_payload`` an object too large, or one that does not pack with a
+    long message (a long class name), raises on every rank and the world goes on."""
+    long_named = type("Unsendable" + "X" * 2000, (), {})()
+
+    async def fn(comm: Communicator) -> list[Any]:
+        with pytest.raises(ValueError, match="packs to 1003 bytes, more than one frame"):
+            await comm.broadcast_object("x" * 1000 if comm.rank == 1 else None, root=1)
+        with pytest.raises(TypeError, match="group rank 1 is not msgpack-serialisable"):
+            await comm.all_gather_object(long_named if comm.rank == 1 else 0)
+        return await comm.all_gather_object(comm.rank)
+
+    assert await asynccoll.run_local(fn, 2, "tcp", timeout=5, max_payload=512) == [[0, 1]] * 2
+
+
+@pytest.mark.parametrize("limit", [40, 200])
+def test_an_object_error_longer_than_a_frame_is_cut_to_fit(limit: int) -> None:
+    """The marker carrying an object's error is cut to the frame's limit (it was sent whole,
+    and one longer than ``max_payload`` broke the world); it still raises the right error."""
+    from asynccoll.collectives import _pack_object, _unpack_object
+
+    long_named = type("Unsendable" + "X" * 2000, (), {})()
+    packed = _pack_object(long_named, 3, limit)
+    assert packed.nbytes == limit
+    with pytest.raises(TypeError, match=r"^the object of group rank 3 .*\.\.\.$"):
+        _unpack_object(packed, 3)
+    packed = _pack_object("y" * 5000, 3, limit)
+    assert packed.nbytes <= limit
+    with pytest.raises(ValueError, match=r"^the object of group rank 3"):
+        _unpack_object(packed, 3)

@@ -25,7 +25,7 @@ from ..collectives import Communicator, check_int, check_timeout
 from ..errors import CollectiveError, RendezvousError, RendezvousTimeout
 from ..handshake import handshake_timeout as resolve_handshake_timeout
 from ..tuning import Tuning
-from ..wire import DEFAULT_MAX_PAYLOAD_BYTES
+from ..wire import ABSOLUTE_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
 from .tcp import TcpTransport, _env
 
 #: Worlds up to this many ranks connect every pair at start-up (as Gloo does); larger ones
@@ -58,6 +58,23 @@ def startup_peers(rank: int, world_size: int) -> list[int]:
 
 #: the ports a TCP address can name
 PORTS = range(65536)
+
+#: the smallest ``max_payload`` a TCP world takes: an object collective's error (an object
+#: that does not pack, or packs too large) travels as a payload that every rank raises, and
+#: must fit in one frame
+MIN_MAX_PAYLOAD_BYTES = 512
+
+
+def check_max_payload(max_payload: object) -> int:
+    """``max_payload`` as an int from ``MIN_MAX_PAYLOAD_BYTES`` to the protocol's limit
+    (1 TiB): a bool, a float or a string is a ``TypeError``, a number out of range a
+    ``ValueError``, each naming ``max_payload``."""
+    value = check_int(max_payload, "max_payload")
+    if not MIN_MAX_PAYLOAD_BYTES <= value <= ABSOLUTE_MAX_PAYLOAD_BYTES:
+        raise ValueError(f"max_payload must be from {MIN_MAX_PAYLOAD_BYTES} bytes (an object "
+                         f"collective's error must fit in a frame) to "
+                         f"{ABSOLUTE_MAX_PAYLOAD_BYTES} bytes, got {value}")
+    return value
 
 
 def _env_int(value: int | None, *names: str, what: str, valid: range | None = None
@@ -231,6 +248,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
                          "ASYNCCOLL_WORLD_SIZE/WORLD_SIZE); start processes with `asynccoll run`")
     check_timeout(timeout)  # before anything is opened
     handshake_timeout = resolve_handshake_timeout(handshake_timeout)
+    max_payload = check_max_payload(max_payload)
     # the rendezvous bounds a wait to a day: a longer timeout (inf: none) waits that long
     wait = min(float(timeout), MAX_WAIT_TIMEOUT)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -335,6 +353,7 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
     from ..rendezvous._common import MAX_WAIT_TIMEOUT
 
     check_timeout(timeout)  # before anything is opened
+    max_payload = check_max_payload(max_payload)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     if bind is None:
@@ -375,6 +394,7 @@ async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
 
     check_timeout(timeout)
     handshake_timeout = resolve_handshake_timeout(handshake_timeout)
+    max_payload = check_max_payload(max_payload)
     server = RendezvousServer("127.0.0.1", 0, token=token, handshake_timeout=handshake_timeout)
     await server.start()
     ranks = [asyncio.ensure_future(tcp_init(
