@@ -40,6 +40,20 @@ def _check_options(where: str, options: dict[str, Any], *takers: Callable[..., A
                         f"{', '.join(sorted(known)) or 'none'}")
 
 
+def _check_tuning(tuning: object) -> None:
+    if tuning is not None and not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning must be an asynccoll.Tuning, got {tuning!r}")
+
+
+def _gpu_staging(options: dict[str, Any]) -> bool:
+    """The option ``gpu_staging`` (taken out of ``options``): a bool, else a TypeError (the
+    string ``"no"`` was taken as true)."""
+    value = options.pop("gpu_staging", False)
+    if not isinstance(value, bool):
+        raise TypeError(f"gpu_staging must be a bool, got {value!r}")
+    return value
+
+
 def _staged(comms: list[Communicator], gpu_staging: bool) -> list[Communicator]:
     """With ``gpu_staging``, communicators that also take CuPy arrays (through pinned host
     memory, ``asynccoll.gpu.HostStaged``)."""
@@ -61,7 +75,8 @@ async def local_world(world_size: int, backend: str = "memory", *, timeout: floa
     if world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     check_timeout(timeout)  # before anything is opened
-    gpu_staging = bool(options.pop("gpu_staging", False))
+    _check_tuning(tuning)
+    gpu_staging = _gpu_staging(options)
     if backend == "memory":
         if options:
             raise TypeError(f"unexpected options for the memory backend: {sorted(options)}")
@@ -168,10 +183,11 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
         and environment as ``"tcp"``). Options: ``device`` (CUDA device id, default the local
         rank), ``check_signatures`` (default ``True``), and the TCP options.
     """
+    _check_tuning(tuning)
     if backend == "tcp":
         from .transport.tcp_world import tcp_init
 
-        gpu_staging = bool(options.pop("gpu_staging", False))
+        gpu_staging = _gpu_staging(options)
         _check_options("init(backend='tcp')", options, tcp_init)
         comm = await tcp_init(rank=rank, world_size=world_size, addr=addr, port=port,
                               timeout=timeout, token=token, tuning=tuning, **options)

@@ -267,3 +267,46 @@ def test_an_object_error_longer_than_a_frame_is_cut_to_fit(limit: int) -> None:
     assert packed.nbytes <= limit
     with pytest.raises(ValueError, match=r"^the object of group rank 3"):
         _unpack_object(packed, 3)
+
+
+# ------------------------------------------------------------- init and run_local options
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"tuning": "fast"}, "tuning must be an asynccoll.Tuning"),
+    ({"tuning": {"small_bytes": 1}}, "tuning must be an asynccoll.Tuning"),
+    ({"addr": 5}, "addr must be a str"),
+    ({"bind": 5}, "bind must be a str"),
+    ({"rendezvous": ("127.0.0.1", 1)}, "rendezvous must be a str"),
+    ({"host_rendezvous": "no"}, "host_rendezvous must be a bool"),
+    ({"token": 5}, "token must be str, bytes or None"),
+    ({"gpu_staging": "no"}, "gpu_staging must be a bool"),
+])
+async def test_init_options_of_a_wrong_type_are_refused_before_connecting(
+        kw: dict[str, Any], match: str) -> None:
+    """``tuning="fast"`` was taken and failed at the first collective; ``addr=5`` raised
+    "argument of type 'int' is not iterable", ``rendezvous=(host, port)`` an AttributeError;
+    ``host_rendezvous="no"`` and ``gpu_staging="no"`` were taken as true."""
+    with pytest.raises(TypeError, match=match):
+        # rank 0 would host a rendezvous; rank 1 connects to nowhere: either would fail
+        # otherwise than with this TypeError
+        await asynccoll.init("tcp", rank=1, world_size=2, port=1, timeout=1, **kw)
+
+
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"tuning": "fast"}, "tuning must be an asynccoll.Tuning"),
+    ({"gpu_staging": "yes"}, "gpu_staging must be a bool"),
+])
+async def test_run_local_options_of_a_wrong_type_are_refused(backend: str, kw: dict[str, Any],
+                                                             match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        await asynccoll.run_local(lambda c: asyncio.sleep(0), 2, backend, **kw)
+
+
+async def test_a_bad_peer_loss_is_refused_before_rank_0_hosts_the_rendezvous() -> None:
+    """``peer_loss="bad"`` was refused only once rank 0 had bound the rendezvous and
+    connected to it (an occupied port then said "address in use" instead)."""
+    async with RendezvousServer("127.0.0.1", 0) as busy:  # rank 0 could not bind this port
+        with pytest.raises(ValueError, match="peer_loss must be one of"):
+            await asynccoll.init("tcp", rank=0, world_size=1, port=busy.port, timeout=1,
+                                 peer_loss="bad")

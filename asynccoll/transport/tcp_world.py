@@ -26,7 +26,7 @@ from ..errors import CollectiveError, RendezvousError, RendezvousTimeout
 from ..handshake import handshake_timeout as resolve_handshake_timeout
 from ..tuning import Tuning
 from ..wire import ABSOLUTE_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
-from .tcp import TcpTransport, _env
+from .tcp import TcpTransport, _env, check_peer_loss
 
 #: Worlds up to this many ranks connect every pair at start-up (as Gloo does); larger ones
 #: only the pairs their ring, recursive doubling and barrier use.
@@ -63,6 +63,23 @@ PORTS = range(65536)
 #: that does not pack, or packs too large) travels as a payload that every rank raises, and
 #: must fit in one frame
 MIN_MAX_PAYLOAD_BYTES = 512
+
+
+def check_options(*, tuning: object = None, peer_loss: str = "abort", token: object = None,
+                  host_rendezvous: object = None, **addresses: object) -> None:
+    """A ``TypeError`` naming the argument for a wrong type (``tuning`` not a ``Tuning``,
+    ``host_rendezvous`` not a bool, an address not a str), a ``ValueError`` for a
+    ``peer_loss`` that is no mode: before anything connects."""
+    if tuning is not None and not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning must be an asynccoll.Tuning, got {tuning!r}")
+    check_peer_loss(peer_loss)
+    if token is not None and not isinstance(token, str | bytes):
+        raise TypeError(f"token must be str, bytes or None, got {type(token).__name__}")
+    if host_rendezvous is not None and not isinstance(host_rendezvous, bool):
+        raise TypeError(f"host_rendezvous must be a bool, got {host_rendezvous!r}")
+    for name, value in addresses.items():
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {value!r}")
 
 
 def check_max_payload(max_payload: object) -> int:
@@ -249,6 +266,8 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     check_timeout(timeout)  # before anything is opened
     handshake_timeout = resolve_handshake_timeout(handshake_timeout)
     max_payload = check_max_payload(max_payload)
+    check_options(tuning=tuning, peer_loss=peer_loss, token=token, addr=addr, bind=bind,
+                  rendezvous=rendezvous, host_rendezvous=host_rendezvous)
     # the rendezvous bounds a wait to a day: a longer timeout (inf: none) waits that long
     wait = min(float(timeout), MAX_WAIT_TIMEOUT)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -354,6 +373,7 @@ async def tcp_store_world(client: Any, prefix: str, rank: int, world_size: int, 
 
     check_timeout(timeout)  # before anything is opened
     max_payload = check_max_payload(max_payload)
+    check_options(tuning=tuning, peer_loss=peer_loss, token=token, bind=bind)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     if bind is None:
@@ -395,6 +415,7 @@ async def tcp_local_world(world_size: int, *, timeout: float = 60.0,
     check_timeout(timeout)
     handshake_timeout = resolve_handshake_timeout(handshake_timeout)
     max_payload = check_max_payload(max_payload)
+    check_options(tuning=tuning, peer_loss=peer_loss, token=token)
     server = RendezvousServer("127.0.0.1", 0, token=token, handshake_timeout=handshake_timeout)
     await server.start()
     ranks = [asyncio.ensure_future(tcp_init(
