@@ -539,6 +539,10 @@ class Communicator:
         if t._closed or t.mailbox._error is not None:
             # a failure in a later collective lets this one finish if every rank got past it
             t.check_usable(self._group, seq)
+        if t.mailbox._left:
+            left = t.mailbox.left_group(self._group, seq)
+            if left is not None:  # a member closed this group
+                raise self._in_call(left, sig, seq)
         self._seq += 1
         call = Call(t, self._ranks, self._group, self._rank, seq, sig, self._tuning)
         size = call.size
@@ -580,6 +584,10 @@ class Communicator:
                                     f"{self._rank}"), scope=scope)
             raise
         except CollectiveError as exc:
+            left = t.mailbox.left_group(self._group, seq)
+            if left is not None:
+                # a member closed this group: its collectives fail, nothing else does
+                raise self._in_call(left, sig, seq) from None
             t.abort(exc, scope=scope)
             raise self._in_call(exc, sig, seq) from None
         except Exception as exc:
@@ -885,6 +893,9 @@ class Communicator:
         if a.nbytes > t.max_payload:  # (before the message takes its number)
             raise ValueError(payload_too_large(a.nbytes, t.max_payload))
         self._check_open()
+        left = t.mailbox.left_group(self._group, dst=self._ranks[dst])
+        if left is not None:  # the receiver closed this group: nobody would take it
+            raise left
         n = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = n + 1
         head = encode_data_head(FrameKind.P2P, self._group, n, 0, 0, t.rank,
@@ -1046,7 +1057,15 @@ class Communicator:
                             owns_transport=False)
 
     async def close(self) -> None:
-        """Close the communicator (and, for a world communicator, its connections). Idempotent."""
+        """Close the communicator (and, for a world communicator, its connections). Idempotent.
+
+        Closing a world fails this rank's calls in flight on it and its groups
+        (``CommunicatorClosedError``). Closing a group closes no connection: its collectives
+        in flight go on, its receives in flight fail, and the other members are told, so
+        that their collectives of the group from the next sequence number on (and their
+        receives of this rank's messages beyond those it sent, their sends to it) raise
+        ``CollectiveError`` naming this rank at once (memory and tcp; see docs/concepts.md).
+        """
         if self._closed:
             return
         if self._owns_transport:
@@ -1057,10 +1076,17 @@ class Communicator:
         if self._owns_transport:
             self._watchdog.stop()  # (its calls in flight fail as the transport closes)
             await self._transport.close()
-        elif self._watchdog.idle:
+            return
+        # a group: its collectives in flight go on (nothing closes underneath) and keep
+        # their timeout (the watchdog's timer stops once they ended); its receives in flight
+        # fail, and the other members learn that this rank takes part in none of the
+        # group's collectives from the next sequence number on, nor sends more messages
+        if self._watchdog.idle:
             self._watchdog.stop()
-        # else: a group's calls in flight go on (nothing closes underneath) and keep their
-        # timeout; the watchdog's timer stops once they ended
+        if len(self._ranks) > 1:
+            self._transport.close_group(
+                self._group, self._ranks, self._seq,
+                {self._ranks[r]: n for r, n in self._p2p_sent.items()})
 
     async def __aenter__(self) -> Communicator:
         return self

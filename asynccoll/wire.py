@@ -56,6 +56,7 @@ class FrameKind(enum.IntEnum):
     P2P = 2  #: a point-to-point message (send/recv)
     ABORT = 3  #: the sender's world is broken; meta says why
     BYE = 4  #: graceful close of a connection
+    CLOSE = 5  #: the sender closed a group communicator (``g``) before its collective ``q``
     HELLO = 16  #: handshake: client -> server
     CHALLENGE = 17  #: handshake: server -> client
     PROOF = 18  #: handshake: client -> server

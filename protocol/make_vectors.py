@@ -150,6 +150,8 @@ def valid_frames() -> list[tuple[str, Frame]]:
             group=1, seq=5, src=0, meta={"reason": "signature mismatch in all_reduce",
                                          "error": "CollectiveError"}))),
         ("bye", Frame(FrameKind.BYE, FrameHeader(src=5))),
+        ("close_group", Frame(FrameKind.CLOSE, FrameHeader(group=0x1234, seq=7, src=2,
+                                                           meta={"p2p": 3}))),
     ]
 
 

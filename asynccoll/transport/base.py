@@ -59,13 +59,14 @@ from ..errors import (
     PeerLostError,
 )
 from ..scratch import ScratchPool
-from ..wire import Frame, FrameHeader, FrameKind
+from ..wire import Frame, FrameHeader, FrameKind, encode_head
 from ..wire_stream import HeadCache, ReduceOnRead
 
 log = logging.getLogger("asynccoll.transport")
 
 #: looked up once: the hot path compares frame kinds per frame
 _DATA = FrameKind.DATA
+_P2P = FrameKind.P2P
 
 #: (src world rank, frame kind, group, seq, step, tag)
 Key = tuple[int, int, int, int, int, int]
@@ -87,6 +88,18 @@ class _Posted:
     sig: tuple[Any, ...] | None
     borrow: bool = False
     reduce: ReduceOnRead | None = None
+
+
+@dataclass(slots=True)
+class _Left:
+    """A group some member closed (``Mailbox.close_group``): its collectives from sequence
+    number ``first`` on fail with ``error``, and so do its point-to-point receives from a
+    member that closed it once that member's messages to this rank were taken (``p2p``: per
+    world rank of such a member, how many it sent, and the error naming it); all of them
+    where ``p2p`` is ``None`` (this rank closed it)."""
+    first: int
+    p2p: dict[int, tuple[int, CollectiveError]] | None
+    error: CollectiveError
 
 
 def payload_too_large(nbytes: int, limit: int) -> str:
@@ -163,6 +176,8 @@ class Mailbox:
         self.reclaim: Callable[[Any], object] | None = None
         self._error: CollectiveError | None = None
         self._scope: Scope | None = None
+        #: groups closed by a member, this rank or another (``close_group``)
+        self._left: dict[int, _Left] = {}
         self._on_mismatch = on_mismatch
         # the event loop receives are posted in, looked up once (asyncio.get_running_loop
         # costs a getpid() system call per call on Python 3.11)
@@ -201,6 +216,10 @@ class Mailbox:
             lost = self._lost.get(key[0])
             if lost is not None:
                 raise lost
+            if self._left:
+                left = self.left(key)
+                if left is not None:
+                    raise left
             return None
         lent = self._lent.pop(key, None)
         if lent is None:
@@ -227,7 +246,8 @@ class Mailbox:
         the sender must not touch the payload before.
         """
         fut: asyncio.Future[None] = self._future()
-        if self._error is not None and not self._key_allowed(key):
+        if (self._error is not None and not self._key_allowed(key)) or (
+                self._left and self.left(key) is not None):
             fut.set_result(None)
             return fut
         posted = self._posted.get(key)
@@ -268,7 +288,7 @@ class Mailbox:
         failure that concerns it (a transport may then read its frame itself, see
         ``Transport.take_direct``)."""
         return (self._error is None and key not in self._early and key not in self._posted
-                and key[0] not in self._lost)
+                and key[0] not in self._lost and not (self._left and key[2] in self._left))
 
     def post(self, key: Key, into: memoryview | None, sig: tuple[Any, ...] | None,
              borrow: bool = False, reduce: ReduceOnRead | None = None
@@ -331,6 +351,8 @@ class Mailbox:
         """
         if self._error is not None and not self._key_allowed(key):
             return
+        if self._left and self.left(key) is not None:
+            return  # (a frame of a closed group that nobody will take)
         posted = self._posted.pop(key, None)
         if frame.payload.__class__ is ReduceOnRead:
             # combined into the receive's array as it was read: the receive gets it as is
@@ -375,6 +397,72 @@ class Mailbox:
             posted = self._posted.pop(key)
             self._cut_short(key)
             _fail_future(posted.future, exc)
+
+    def close_group(self, group: int, first: int, src: int | None, p2p: int,
+                    exc: CollectiveError) -> None:
+        """A member closed ``group``: world rank ``src``, after ``p2p`` point-to-point
+        messages to this rank in that group, or this rank itself (``src`` ``None``). The
+        group's collectives from sequence number ``first`` on fail with ``exc`` (that member
+        takes no part in them), and so do the receives of that member's messages beyond the
+        ones it sent (all of the group's on the rank that closed it): those posted now, and
+        later ones; frames that can no longer be taken are dropped. Nothing else changes:
+        the world and its other groups go on. A later notice of the group narrows it
+        further (a smaller ``first``), never widens it."""
+        left = self._left.get(group)
+        if left is None:
+            left = self._left[group] = _Left(first, {} if src is not None else None, exc)
+        elif first < left.first:
+            left.first, left.error = first, exc
+        if src is None:
+            left.p2p, left.error = None, exc
+        elif left.p2p is not None:
+            left.p2p.setdefault(src, (p2p, exc))
+        for key in [k for k in self._posted if k[2] == group and self.left(k) is not None]:
+            self._cut_short(key)
+            _fail_future(self._posted.pop(key).future, self.left(key) or exc)
+        for key in [k for k in self._early if k[2] == group and self.left(k) is not None]:
+            del self._early[key]
+            lent = self._lent.pop(key, None)
+            if lent is not None and not lent.done():
+                lent.set_result(None)
+        for key in [k for k in self._borrowed if k[2] == group and self.left(k) is not None]:
+            self.release(key)
+        for key in [k for k in self._kept if k[2] == group and self.left(k) is not None]:
+            del self._kept[key]
+        for fut in [f for f, (g, s) in self._guarded.items() if g == group and s >= left.first]:
+            del self._guarded[fut]
+            _fail_future(fut, left.error)
+
+    def left(self, key: Key) -> CollectiveError | None:
+        """The error of the group closed under ``key`` when its frame can no longer come
+        (``close_group``), else ``None``."""
+        left = self._left.get(key[2])
+        if left is None:
+            return None
+        kind = key[1]
+        if kind == _DATA:
+            return left.error if key[3] >= left.first else None
+        if kind != _P2P:
+            return None
+        if left.p2p is None:
+            return left.error
+        sent = left.p2p.get(key[0])
+        return sent[1] if sent is not None and key[3] >= sent[0] else None
+
+    def left_group(self, group: int, seq: int | None = None, dst: int | None = None
+                   ) -> CollectiveError | None:
+        """The error of ``group``, closed by a member, for its collective ``seq`` (``None``:
+        only whether some member closed it), or for a message to world rank ``dst``, a
+        member that closed it."""
+        left = self._left.get(group) if self._left else None
+        if left is None:
+            return None
+        if dst is not None:
+            if left.p2p is None:
+                return left.error
+            sent = left.p2p.get(dst)
+            return None if sent is None else sent[1]
+        return left.error if seq is None or seq >= left.first else None
 
     def fail(self, exc: CollectiveError, scope: Scope | None = None) -> bool:
         """Break the world from collective ``scope`` on (everything when ``None``).
@@ -421,6 +509,10 @@ class Mailbox:
         if not self.allowed(group, seq):
             assert self._error is not None
             _fail_future(out, self._error)
+            return out
+        left = self._left.get(group) if self._left else None
+        if left is not None and seq >= left.first:
+            _fail_future(out, left.error)
             return out
         self._guarded[out] = (group, seq)
 
@@ -813,6 +905,44 @@ class Transport(abc.ABC):
 
     def _on_mismatch(self, exc: CollectiveError, scope: Scope) -> None:
         self.abort(exc, scope=scope)
+
+    def close_group(self, group: int, ranks: Sequence[int], first: int,
+                    sent: dict[int, int]) -> None:
+        """This rank closed its communicator of ``group`` (world ``ranks``) before the
+        group's collective ``first``, having sent ``sent[r]`` point-to-point messages to
+        world rank ``r`` in it: its receives in the group that nothing will complete any
+        more fail, and the other members are told (a CLOSE frame each, best effort, on the
+        connections the world already has), so that their collectives of the group from
+        ``first`` on, and their receives of this rank's messages beyond those, fail at once
+        instead of waiting for their timeout. Nothing else changes."""
+        self.mailbox.close_group(group, first, None, 0,
+                                 CommunicatorClosedError("the communicator was closed"))
+        self._group_left()
+        if self._closed or (self.mailbox.error is not None and self.mailbox.scope is None):
+            return  # (nobody to tell: this rank's world is gone)
+        for dst in ranks:
+            if dst != self.rank:
+                header = FrameHeader(group=group, seq=first, src=self.rank,
+                                     meta={"p2p": sent.get(dst, 0)})
+                try:
+                    self.post(dst, encode_head(FrameKind.CLOSE, header, 0), None)
+                except (CollectiveError, ValueError) as exc:  # that member is gone already
+                    log.debug("rank %d could not tell world rank %d that group %#x closed: "
+                              "%s", self.rank, dst, group, exc)
+
+    def _on_close_frame(self, frame: Frame) -> None:
+        """A member closed a group (a CLOSE frame, see ``close_group``)."""
+        h = frame.header
+        meta = h.meta if isinstance(h.meta, dict) else {}
+        sent = meta.get("p2p")
+        self.mailbox.close_group(h.group, h.seq, h.src, sent if type(sent) is int else 0,
+                                 CollectiveError(f"world rank {h.src} closed the group"))
+        self._group_left()
+
+    def _group_left(self) -> None:
+        """Called once a group was closed (``Mailbox.close_group``): a backend with work
+        that writes into this rank's receives stops what it wrote into those that failed."""
+        return None
 
     async def close(self) -> None:
         """Close connections; idempotent. Pending receives fail with CommunicatorClosedError."""

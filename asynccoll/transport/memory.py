@@ -340,8 +340,10 @@ class MemoryTransport(Transport):
         """Fail the peers' jobs that copy into receives this rank gave up (a failed or
         cancelled collective, or a close), and wait for their chunks that run: the caller
         may reuse those buffers as soon as this returns."""
+        mailbox = self.mailbox
         jobs = [job for job in self._writers
-                if any(peer is self and (self._closed or not self.mailbox._key_allowed(key))
+                if any(peer is self and (self._closed or not mailbox._key_allowed(key)
+                                         or mailbox.left(key) is not None)
                        for peer, key in job.claims)]
         for job in jobs:
             if job.error is None:
@@ -349,6 +351,10 @@ class MemoryTransport(Transport):
         deadline = time.monotonic() + JOB_DRAIN_TIMEOUT
         while any(job.busy for job in jobs) and time.monotonic() < deadline:
             time.sleep(0.0002)  # at most a chunk (see JOB_DRAIN_TIMEOUT)
+
+    def _group_left(self) -> None:
+        self._stop_writers(CollectiveError(f"world rank {self.rank} gave up: a member closed "
+                                           f"the group"))
 
     def _peer(self, dst: int) -> MemoryTransport:
         peer = self._world.transports[dst]
@@ -386,6 +392,9 @@ class MemoryTransport(Transport):
         self.received_from[header.src] += payload_len
         if kind == FrameKind.ABORT:
             self._on_abort_frame(Frame(kind, header, b""))
+            return None
+        if kind == FrameKind.CLOSE:
+            self._on_close_frame(Frame(kind, header, b""))
             return None
         if not self.mailbox.check(kind, header):
             return None

@@ -462,6 +462,8 @@ class _Connection(asyncio.BufferedProtocol):
             owner.mailbox.deliver(frame_key(kind, frame.header), frame)
         elif kind == FrameKind.ABORT:
             owner._on_abort_frame(frame)
+        elif kind == FrameKind.CLOSE:
+            owner._on_close_frame(frame)
         elif kind == FrameKind.BYE:
             self.graceful = True
             owner._said_bye(self.peer)  # type: ignore[arg-type]
