@@ -29,21 +29,17 @@ ERROR_CHARS = 2000
 #: how an error relayed from another rank (an ABORT frame) begins (``error_from_abort``)
 _RELAYED = re.compile(r"world rank (\d+) aborted: ")
 
-#: the transport of the last world this process formed (None: none yet, or no launcher)
-_latest: Any = None
-_registered = False
-
 
 def note_world(transport: Any) -> None:
     """Remember ``transport`` as this process's world, whose state the record at exit
-    describes (under the launcher only: with ``ASYNCCOLL_ERROR_FILE`` set)."""
-    global _latest, _registered
+    describes (under the launcher only: with ``ASYNCCOLL_ERROR_FILE`` set).
+
+    The interpreter's exit hooks hold it, not this module: the previous world's hook is
+    replaced, so a process that forms world after world keeps only the last one."""
     if not os.environ.get(ENV):
         return
-    _latest = transport
-    if not _registered:
-        _registered = True
-        atexit.register(_write)
+    atexit.unregister(_write)
+    atexit.register(_write, transport)
 
 
 def peer_cause(exc: BaseException | None, rank: int) -> int | None:
@@ -59,9 +55,9 @@ def peer_cause(exc: BaseException | None, rank: int) -> int | None:
     return None
 
 
-def _write() -> None:
-    transport, path = _latest, os.environ.get(ENV)
-    if transport is None or not path:
+def _write(transport: Any) -> None:
+    path = os.environ.get(ENV)
+    if not path:
         return
     exc = transport.broken
     peer = peer_cause(exc, transport.rank)

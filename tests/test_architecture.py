@@ -235,6 +235,10 @@ def mutable_module_state(source: str) -> list[str]:
         for target in targets:
             if isinstance(target, ast.Name) and not _is_constant_name(target.id):
                 found.append(target.id)
+    # a function that rebinds a module's name (``global x; x = ...``) keeps state there too
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Global):
+            found += [name for name in node.names if not _is_constant_name(name)]
     return found
 
 
@@ -242,8 +246,9 @@ def test_mutable_state_detector_itself():
     src = ("_cache = {}\nREGISTRY = {}\n__all__ = ['x']\nx: list[int] = []\n"
            "pending = set()\nfrom collections import defaultdict\nd = defaultdict(list)\n"
            "if True:\n    later = [1]\nn = 3\nt = (1, 2)\n_UFUNCS: dict = {}\n"
-           "def f():\n    local = {}\nclass C:\n    attr = []\n")
-    assert mutable_module_state(src) == ["_cache", "x", "pending", "d", "later"]
+           "def f():\n    local = {}\nclass C:\n    attr = []\n"
+           "_latest = None\ndef g(t):\n    global _latest\n    _latest = t\n")
+    assert mutable_module_state(src) == ["_cache", "x", "pending", "d", "later", "_latest"]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=rel)
