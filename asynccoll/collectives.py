@@ -45,7 +45,7 @@ from .algorithms import (
 )
 from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError, PeerLostError
 from .ops import ReduceOp, check_op, finish
-from .transport.base import Transport, describe_sig, name_call, payload_too_large
+from .transport.base import Transport, describe_sig, name_call, payload_too_large, refused
 from .tuning import Tuning
 from .wire import FrameKind, array_view, dtype_code, encode_data_head
 
@@ -514,10 +514,14 @@ class Communicator:
                      f"{self._names(waited)}")
         return name_call(exc, sig, self._rank, self._where(seq), extra)
 
-    def _check_open(self) -> None:
+    def _check_open(self, what: str = "") -> None:
+        """Raise unless a call (named ``what`` in the error of a broken world) may start."""
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
-        self._transport.check_usable()
+        try:
+            self._transport.check_usable()
+        except CollectiveError as exc:
+            raise refused(exc, what) from exc.__cause__
         self._watchdog.current_task()  # another event loop's transport: raised here
 
     async def _run(self, sig: tuple[Any, ...], body: Callable[[Call], Awaitable[T]], *,
@@ -538,7 +542,10 @@ class Communicator:
         seq = self._seq
         if t._closed or t.mailbox._error is not None:
             # a failure in a later collective lets this one finish if every rank got past it
-            t.check_usable(self._group, seq)
+            try:
+                t.check_usable(self._group, seq)
+            except CollectiveError as exc:
+                raise refused(exc, sig[0]) from exc.__cause__
         if t.mailbox._left:
             left = t.mailbox.left_group(self._group, seq)
             if left is not None:  # a member closed this group
@@ -892,7 +899,7 @@ class Communicator:
         t = self._transport
         if a.nbytes > t.max_payload:  # (before the message takes its number)
             raise ValueError(payload_too_large(a.nbytes, t.max_payload))
-        self._check_open()
+        self._check_open("send")
         left = t.mailbox.left_group(self._group, dst=self._ranks[dst])
         if left is not None:  # the receiver closed this group: nobody would take it
             raise left
@@ -909,7 +916,7 @@ class Communicator:
         tag = self._check_tag(tag)
         if src == self._rank:
             raise ValueError("recv from self is not supported")
-        self._check_open()
+        self._check_open("recv")
         return await self._watched_p2p(self._pull(src, tag), src, "recv",
                                        f"recv from group rank {src} (tag {tag}) got nothing "
                                        f"within")

@@ -503,3 +503,36 @@ async def test_mpi_a_relayed_failure_names_the_call_it_ended() -> None:
         assert got[r].startswith(f"CollectiveError: all_reduce(<f8, (4,), sum) on group rank "
                                  f"{r} (sequence number 2 of the world): "), got[r]
         assert "closed" in got[r], got[r]
+
+
+async def test_mpi_a_call_refused_by_a_broken_world_names_itself() -> None:
+    """A call started after the world broke starts with its name ("all_reduce: the
+    communicator is broken: ..."), as on memory and tcp; it used to say only 'the communicator
+    is broken: ...'. The class stays CollectiveError."""
+    async def fn(comm: Communicator) -> list[str]:
+        if comm.rank == 0:
+            waiting = asyncio.ensure_future(comm.all_gather(np.ones(2)))
+            await asyncio.sleep(0.1)
+            waiting.cancel()  # breaks the world, and tells the others
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        else:
+            await asyncio.sleep(0.3)
+            with pytest.raises(CollectiveError):  # (in flight or refused: as MPI progresses)
+                await comm.barrier()
+        texts = []
+        for call in (comm.all_reduce(np.ones(2)),
+                     comm.send(np.ones(2), (comm.rank + 1) % comm.world_size)):
+            with pytest.raises(CollectiveError) as raised:
+                await call
+            assert type(raised.value) is CollectiveError
+            texts.append(str(raised.value))
+        return texts
+
+    got = await run_world(fn, W, "mpi", timeout=8.0)
+    for texts in got:
+        if texts is None:
+            continue
+        for name, text in zip(("all_reduce", "send"), texts, strict=True):
+            assert text.startswith(f"{name}: the communicator is broken: "), text
+            assert "all_gather(" in text, text  # (what broke it)

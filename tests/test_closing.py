@@ -258,6 +258,33 @@ async def test_close_racing_new_group(backend: str) -> None:
             "lost", "lost", "closed"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_call_refused_by_a_broken_world_names_itself(backend: str) -> None:
+    """A call started after the world broke says which call was refused ("all_reduce: the
+    communicator is broken ..."), as a call in flight does; the exception classes stay."""
+    async def fn(comm: Communicator) -> tuple[str, str, str]:
+        if comm.rank == 1:
+            await comm.close()
+            return "", "", ""
+        with pytest.raises(PeerLostError):
+            await comm.barrier()
+        with pytest.raises(PeerLostError) as first:
+            await comm.all_reduce(np.ones(3))
+        with pytest.raises(PeerLostError) as second:
+            await comm.send(np.ones(3), 1)
+        with pytest.raises(PeerLostError) as third:
+            await comm.new_group([0])
+        assert first.value.rank == second.value.rank == third.value.rank == 1
+        return str(first.value), str(second.value), str(third.value)
+
+    async with asyncio.timeout(10):
+        got = (await asynccoll.run_local(fn, 2, backend, timeout=20.0))[0]
+    assert got[0].startswith("all_reduce: the communicator is broken"), got[0]
+    assert got[1].startswith("send: the communicator is broken"), got[1]
+    assert got[2].startswith("new_group: the communicator is broken"), got[2]
+    assert all("world rank 1" in text for text in got), got
+
+
 async def test_a_group_closed_under_a_timeout_still_times_out_elsewhere() -> None:
     """Closing a group tells its members only: a member of the world that is not in the
     group and waits for the closer in a world call still times out as before (the close

@@ -137,6 +137,22 @@ def name_call(exc: CollectiveError, sig: tuple[Any, ...], rank: int, where: str,
         return exc
 
 
+def refused(exc: CollectiveError, what: str) -> CollectiveError:
+    """``exc``, the error of a broken world that refused to start the call ``what`` (its
+    name: ``"all_reduce"``, ``"send"``), as an error of its class whose message starts with
+    that name; ``exc`` itself for a closed communicator, or without ``what``. A
+    ``PeerLostError`` keeps its ``rank``."""
+    if not what or isinstance(exc, CommunicatorClosedError):
+        return exc
+    text = f"{what}: {exc}"
+    if isinstance(exc, PeerLostError):
+        return PeerLostError(text, rank=exc.rank)
+    try:
+        return type(exc)(text)
+    except Exception:  # pragma: no cover - a subclass that takes more than a message
+        return exc
+
+
 class Mailbox:
     """Posted receives and early frames of one rank, matched by key. Not thread-safe.
 

@@ -83,7 +83,7 @@ from ._native import (
     scatter_blocks,
     signature_mismatch,
 )
-from .base import describe_sig
+from .base import describe_sig, refused
 from .mpi_world import (
     _HEAD_WORDS,
     _MOVE_TYPES,
@@ -270,10 +270,14 @@ class MpiCommunicator(Communicator):
 
     # -- machinery -----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_open(self, what: str = "") -> None:
+        """Raise unless a call (named ``what`` in the error of a broken world) may start."""
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
-        self._world.check()
+        try:
+            self._world.check()
+        except CollectiveError as exc:
+            raise refused(exc, what) from exc.__cause__
 
     async def _collective(self, sig: tuple[Any, ...], body: Callable[[_Op, np.ndarray | None],
                                                                      Awaitable[T]], *,
@@ -286,7 +290,7 @@ class MpiCommunicator(Communicator):
         all-gather of every rank's ``[signature digest, extra]`` when ``meta`` or a check asks
         for it, else ``None``. ``payload``: bytes this rank contributes (for ``bytes_sent``).
         """
-        self._check_open()
+        self._check_open(str(sig[0]))
         self._world.bytes_sent += payload
         loop = asyncio.get_running_loop()
         ticket = self._tickets
@@ -361,7 +365,7 @@ class MpiCommunicator(Communicator):
         root = self._check_rank(root, "root")
         a = _check_array(array, writable=self._rank != root)  # root's is only read
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("broadcast")
             return a
 
         async def body(op: _Op, rows: np.ndarray | None) -> np.ndarray:
@@ -384,7 +388,7 @@ class MpiCommunicator(Communicator):
         root = self._check_rank(root, "root")
         rop = check_op(op, a.dtype)
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("reduce")
             return a
         datatype, mop, _ = self._world.reduction(a.dtype, rop)
         mpi = self._mpi
@@ -420,7 +424,7 @@ class MpiCommunicator(Communicator):
         a = _check_array(array, writable=True)
         rop = check_op(op, a.dtype)
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("all_reduce")
             return a
         datatype, mop, exact = self._world.reduction(a.dtype, rop)
         mpi = self._mpi
@@ -467,7 +471,7 @@ class MpiCommunicator(Communicator):
         rows, counts = scatter_blocks(a, w)
         out = np.empty((rows[me], *a.shape[1:]), a.dtype)
         if w == 1:
-            self._check_open()
+            self._check_open("reduce_scatter")
             out[...] = a
             return out
         datatype, mop, _ = self._world.reduction(a.dtype, rop)
@@ -503,7 +507,7 @@ class MpiCommunicator(Communicator):
         if out is not None:
             check_gather_out(a, _check_array(out, "out", writable=True))
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("all_gather")
             return gather_alone(a, out)
         dtype, shape = _sig_array(a)
         row = int(np.prod(a.shape[1:], dtype=np.int64))
@@ -534,7 +538,7 @@ class MpiCommunicator(Communicator):
         a = _check_array(array)
         root = self._check_rank(root, "root")
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("gather")
             return [a.copy()]
         me, w = self._rank, self.world_size
 
@@ -565,7 +569,7 @@ class MpiCommunicator(Communicator):
         if me == root:
             items = check_arrays(arrays, w, "scatter on root", _check_item)
         if w == 1:
-            self._check_open()
+            self._check_open("scatter")
             return items[0].copy()
         mpi = self._mpi
 
@@ -602,7 +606,7 @@ class MpiCommunicator(Communicator):
         w, me = self.world_size, self._rank
         items = check_arrays(arrays, w, "all_to_all", _check_item)
         if w == 1:
-            self._check_open()
+            self._check_open("all_to_all")
             return [items[0].copy()]
         mpi = self._mpi
 
@@ -639,7 +643,7 @@ class MpiCommunicator(Communicator):
     async def barrier(self) -> None:
         """Return once every rank of the group has entered the barrier."""
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("barrier")
             return
 
         async def body(op: _Op, meta: np.ndarray | None) -> None:
@@ -663,7 +667,7 @@ class MpiCommunicator(Communicator):
         tag = self._check_tag(tag)
         if dst == self._rank:
             raise ValueError("send to self is not supported")
-        self._check_open()
+        self._check_open("send")
         mpi = self._mpi
         head = bytearray(msgpack.packb([tag, dtype_code(a.dtype), list(a.shape)]))
         data = a.copy()
@@ -707,7 +711,7 @@ class MpiCommunicator(Communicator):
         tag = self._check_tag(tag)
         if src == self._rank:
             raise ValueError("recv from self is not supported")
-        self._check_open()
+        self._check_open("recv")
         mpi = self._mpi
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
@@ -776,7 +780,7 @@ class MpiCommunicator(Communicator):
         root = self._check_rank(root, "root")
         data = _pack_object(obj, root) if self._rank == root else None
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("broadcast_object")
             return _unpack_object(data, root)  # type: ignore[arg-type]
         mpi = self._mpi
 
@@ -803,7 +807,7 @@ class MpiCommunicator(Communicator):
         """
         data = _pack_object(obj, self._rank)
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("all_gather_object")
             return [_unpack_object(data, 0)]
         mpi = self._mpi
 
@@ -860,7 +864,7 @@ class MpiCommunicator(Communicator):
             return sub
 
         if self.world_size == 1:
-            self._check_open()
+            self._check_open("new_group")
             sub = self._stage_comms[0].Dup()
         else:
             # the members travel beside the signature (as a digest), not in it: ranks that
