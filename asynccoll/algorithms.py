@@ -105,6 +105,16 @@ def segments(start: int, stop: int, nseg: int) -> list[tuple[int, int]]:
     return [(start + n * k // nseg, start + n * (k + 1) // nseg) for k in range(nseg)]
 
 
+def segment_count(call: Call, items: int, seg: int, itemsize: int) -> int:
+    """Segments a pipelined block of ``items`` items is cut into: of at most ``seg`` items
+    each, and at most ``MAX_SEGMENTS`` of them, unless a segment would then carry more than
+    one frame may (``Transport.max_payload``): then as many as frames need."""
+    nseg = min(MAX_SEGMENTS, max(1, -(-items // seg)))
+    if nseg == MAX_SEGMENTS:
+        nseg = max(nseg, -(-items // max(1, call.t.max_payload // max(1, itemsize))))
+    return nseg
+
+
 async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp | None,
                 *, reduce_steps: int, gather_steps: int, inplace: bool = True) -> np.ndarray | None:
     """The pipelined ring behind all_reduce and reduce_scatter.
@@ -126,7 +136,7 @@ async def ring(call: Call, flat: np.ndarray, bounds: list[tuple[int, int]], op: 
     width = max(stop - start for start, stop in bounds)
     seg = max(1, call.tuning.ring_segment(width * flat.itemsize, crowded=call.t.crowded)
               // max(1, flat.itemsize))
-    nseg = min(MAX_SEGMENTS, max(1, -(-width // seg)))
+    nseg = segment_count(call, width, seg, flat.itemsize)
     total = reduce_steps + gather_steps
 
     def block(s: int) -> int:  # block received at step s
@@ -293,7 +303,7 @@ async def direct_all_reduce(call: Call, flat: np.ndarray, op: ReduceOp) -> None:
     width = max(stop - start for start, stop in bounds)
     seg = max(1, call.tuning.direct_segment_bytes // max(1, flat.itemsize))
     # segments pipeline a network transfer; in one process everything is there at once
-    nseg = 1 if call.t.lends else min(MAX_SEGMENTS, max(1, -(-width // seg)))
+    nseg = 1 if call.t.lends else segment_count(call, width, seg, flat.itemsize)
     peers = [(r + d) % w for d in range(1, w)]
     start, stop = bounds[r]
     mine = segments(start, stop, nseg)
@@ -585,7 +595,7 @@ async def chain_broadcast(call: Call, root: int, flat: np.ndarray) -> None:
     vr = (r - root) % w
     prev, nxt = (r - 1) % w, (r + 1) % w
     seg = max(1, call.tuning.chain_segment(crowded=call.t.crowded) // max(1, flat.itemsize))
-    nseg = min(MAX_SEGMENTS, max(1, -(-flat.size // seg)))
+    nseg = segment_count(call, flat.size, seg, flat.itemsize)
     parts = [flat[a:b] for a, b in segments(0, flat.size, nseg)]
     posted = [call.post_recv(prev, k, part) for k, part in enumerate(parts)] if vr else []
     pending = []
@@ -606,11 +616,19 @@ async def ring_reduce(call: Call, root: int, flat: np.ndarray, op: ReduceOp) -> 
     # launches each: 182.5 and 223.5 against 184.4 and 230.5 us; 1092 and 947 against
     # 1098 and 1032)
     mine = await ring_reduce_scatter(call, flat, bounds, op, direct=False)
+    # each block to the root in one frame, or in as many as max_payload needs
+    per = max(1, call.t.max_payload // max(1, flat.itemsize))
+    parts = max(1, -(-max(b - a for a, b in bounds) // per))
     if r != root:
-        await call.send(root, 1 << 30, mine)
+        if parts == 1:
+            await call.send(root, 1 << 30, mine)
+        else:
+            await settle([call.post(root, (1 << 30) + k, mine[a:b])
+                          for k, (a, b) in enumerate(segments(0, mine.size, parts))])
         return
-    posted = [call.post_recv(j, 1 << 30, flat[bounds[j][0]:bounds[j][1]])
-              for j in range(w) if j != root]
+    posted = [call.post_recv(j, (1 << 30) + k, flat[a:b])
+              for j in range(w) if j != root
+              for k, (a, b) in enumerate(segments(*bounds[j], parts))]
     start, stop = bounds[r]
     flat[start:stop] = mine
     for rcv in posted:

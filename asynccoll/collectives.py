@@ -46,7 +46,7 @@ from .algorithms import (
 from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError, PeerLostError
 from .ops import ReduceOp, check_op, finish
 from .transport.base import Transport, describe_sig, name_call, payload_too_large, refused
-from .tuning import Tuning
+from .tuning import Tuning, fit_frames
 from .wire import FrameKind, array_view, dtype_code, encode_data_head
 
 T = TypeVar("T")
@@ -367,7 +367,7 @@ class Communicator:
     Attributes:
         timeout: seconds a collective may make no progress before it raises
             ``CollectiveTimeout`` (and breaks the communicator).
-        tuning: algorithm thresholds (``Tuning``); equal on all ranks.
+        tuning: algorithm thresholds (``Tuning``), as set; equal on all ranks.
     """
 
     def __init__(self, transport: Transport, *, ranks: Sequence[int] | None = None,
@@ -420,12 +420,16 @@ class Communicator:
 
     @property
     def tuning(self) -> Tuning:
-        """Algorithm thresholds (``Tuning``); equal on all ranks."""
-        return self._tuning
+        """Algorithm thresholds (``Tuning``); equal on all ranks; settable. It returns the
+        tuning as set; the collectives run it with the frame sizes above the transport's
+        ``max_payload`` lowered to it (``asynccoll.tuning.fit_frames``, done here once)."""
+        return self._tuning_set
 
     @tuning.setter
     def tuning(self, value: Tuning) -> None:
-        self._tuning = value
+        self._tuning_set = value
+        # (MPI's world is no Transport and has no frame limit)
+        self._tuning = fit_frames(value, getattr(self._transport, "max_payload", 1 << 62))
         # what a collective works out from its arguments before it runs (signature,
         # algorithm), kept per kind of call (``_plan``): small collectives repeat the same
         # call, and working it out is a good part of their cost. It depends on the tuning
@@ -626,7 +630,8 @@ class Communicator:
             root = self._check_rank(root, "root")
             _check_array(a, writable=root != self._rank)
             algo = self._tuning.broadcast(a.nbytes, self.world_size,
-                                           crowded=self._transport.crowded)
+                                          crowded=self._transport.crowded,
+                                          max_payload=self._transport.max_payload)
             plan = self._plan(key, (("broadcast", *_sig_array(a), root, algo), algo))
         sig, algo = plan
 
@@ -1060,7 +1065,7 @@ class Communicator:
         if self._rank not in members:
             return None
         return Communicator(self._transport, ranks=[self._ranks[m] for m in members], group=gid,
-                            timeout=self._timeout_s, tuning=self._tuning, backend=self.backend,
+                            timeout=self._timeout_s, tuning=self._tuning_set, backend=self.backend,
                             owns_transport=False)
 
     async def close(self) -> None:

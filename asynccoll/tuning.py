@@ -8,12 +8,17 @@ than hang).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tuning:
     """Algorithm selection thresholds, in bytes of the array a rank passes.
+
+    A communicator whose frames carry less (tcp's ``max_payload``) runs it with the frame
+    sizes above that lowered to it (``fit_frames``); ``Communicator.tuning`` returns it as
+    set.
 
     Attributes:
         small_bytes: at or below this, latency-optimal algorithms (recursive doubling
@@ -227,13 +232,40 @@ class Tuning:
     def all_gather(self, world_size: int) -> str:
         return "direct" if world_size <= self.direct_all_gather_ranks else "ring"
 
-    def broadcast(self, nbytes: int, world_size: int, *, crowded: bool = False) -> str:
-        """The algorithm; ``crowded``: see ``crowded_chain_broadcast_bytes``."""
+    def broadcast(self, nbytes: int, world_size: int, *, crowded: bool = False,
+                  max_payload: int | None = None) -> str:
+        """The algorithm; ``crowded``: see ``crowded_chain_broadcast_bytes``; ``max_payload``:
+        the most one frame may carry (tcp's option): a larger array takes the chain, in
+        segments, whatever the thresholds and the world (two ranks too), since the tree
+        sends it whole."""
+        if max_payload is not None and nbytes > max_payload and world_size > 1:
+            return "chain"
         # two ranks: a chain is one hop, and its segments and agreement round only cost
         chain = self.crowded_chain_broadcast_bytes if crowded else self.chain_broadcast_bytes
         if world_size <= 2 or nbytes < chain:
             return "doubling"
         return "chain"
+
+
+#: the thresholds that bound a frame an algorithm sends: recursive doubling (all_reduce,
+#: reduce, reduce_scatter) and the doubling gather send arrays of up to ``small_bytes`` whole,
+#: the ring, the chain broadcast and the direct all_reduce segments of up to the others
+FRAME_FIELDS = ("small_bytes", "segment_bytes", "crowded_segment_bytes",
+                "chain_segment_bytes", "direct_segment_bytes")
+
+
+def fit_frames(tuning: Tuning, max_payload: int) -> Tuning:
+    """``tuning`` as a communicator whose frames carry at most ``max_payload`` bytes runs it:
+    every threshold of ``FRAME_FIELDS`` above ``max_payload`` lowered to it (so that larger
+    arrays take the ring, and segments fit a frame), every other field as it is; ``tuning``
+    itself when every one fits already (the default ``Tuning`` from 4 MiB on: nothing is
+    copied, and nothing changes per call). Segment sizes are in bytes and the algorithms
+    round them down to whole items, so none needs to be a multiple of an item size. The
+    segmented algorithms also cut a block into more than ``MAX_SEGMENTS`` segments and the
+    broadcast takes the chain (``broadcast``'s ``max_payload``) where a frame needs it."""
+    lowered: dict[str, Any] = {name: max_payload for name in FRAME_FIELDS
+                               if getattr(tuning, name) > max_payload}
+    return replace(tuning, **lowered) if lowered else tuning
 
 
 #: Always the latency-optimal algorithms (for tests).
