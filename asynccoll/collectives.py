@@ -420,13 +420,16 @@ class Communicator:
 
     @property
     def tuning(self) -> Tuning:
-        """Algorithm thresholds (``Tuning``); equal on all ranks; settable. It returns the
-        tuning as set; the collectives run it with the frame sizes above the transport's
+        """Algorithm thresholds (``Tuning``); equal on all ranks. Settable: anything but a
+        ``Tuning`` is a ``TypeError`` at once, not in the next call. It returns the tuning
+        as set; the collectives run it with the frame sizes above the transport's
         ``max_payload`` lowered to it (``asynccoll.tuning.fit_frames``, done here once)."""
         return self._tuning_set
 
     @tuning.setter
     def tuning(self, value: Tuning) -> None:
+        if not isinstance(value, Tuning):
+            raise TypeError(f"tuning must be an asynccoll.Tuning, got {value!r}")
         self._tuning_set = value
         # (MPI's world is no Transport and has no frame limit)
         self._tuning = fit_frames(value, getattr(self._transport, "max_payload", 1 << 62))

@@ -262,3 +262,20 @@ async def test_comm_tuning_returns_what_was_set_and_runs_it_fitted() -> None:
 
     await asynccoll.run_local(plain, 2, "tcp", timeout=10, tuning=mine)
     await asynccoll.run_local(plain, 2, "memory", timeout=10, tuning=mine)
+
+
+@pytest.mark.parametrize("backend", ["memory", "tcp"])
+async def test_setting_a_tuning_that_is_no_tuning_is_a_type_error_at_once(backend: str) -> None:
+    """``comm.tuning = "x"`` (or None, or a dict) was taken and failed at the next collective
+    (AttributeError: 'str' object has no attribute 'all_reduce'); it is a TypeError at once,
+    and the communicator keeps its tuning and works."""
+    mine = Tuning(poll_us=5)
+
+    async def fn(comm: Communicator) -> None:
+        for bad in ("x", None, {"small_bytes": 1}, Tuning):
+            with pytest.raises(TypeError, match=r"tuning must be an asynccoll\.Tuning"):
+                comm.tuning = bad  # type: ignore[assignment]
+            assert comm.tuning is mine
+        np.testing.assert_array_equal(await comm.all_reduce(np.ones(3)), np.full(3, 2.0))
+
+    await asynccoll.run_local(fn, 2, backend, timeout=10, tuning=mine)
