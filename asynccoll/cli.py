@@ -16,12 +16,9 @@ import signal
 import sys
 import tempfile
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _exit_record
-
-if TYPE_CHECKING:
-    from .rendezvous.store import Store
 
 log = logging.getLogger("asynccoll.launcher")
 
@@ -278,8 +275,20 @@ class _Launcher:
         self.replacements = 0
         #: elastic: processes that exited after leaving the job (not counted as succeeded)
         self.left = 0
-        #: the rendezvous server's store once it runs (elastic: where leavers say so)
-        self.store: Store | None = None
+        #: elastic: the job id its processes get (ASYNCCOLL_JOB_ID): the namespace of the
+        #: rendezvous that holds their membership, and where leavers say so
+        self.job = ""
+        if elastic is not None:
+            from .elastic import DEFAULT_JOB
+
+            self.job = os.environ.get("ASYNCCOLL_JOB_ID") or DEFAULT_JOB
+        #: elastic: this launcher's connection to the rendezvous in the job's namespace,
+        #: open from before its processes start until after they ended. Through it the
+        #: launcher reads who left; holding it keeps the job's keys in the server while
+        #: none of the job's processes is connected (the last one left, or died and its
+        #: replacement has not connected yet), since the server drops a job's keys with its
+        #: last connection
+        self.hold: Any = None
         self.watchers: list[asyncio.Future[None]] = []
         #: per process (in the order of ``procs``), the reading of its stdout and stderr,
         #: which children it started may hold open after it has gone
@@ -337,6 +346,7 @@ class _Launcher:
             env["ASYNCCOLL_ELASTIC"] = "1"
             env["ASYNCCOLL_MIN_NODES"] = str(self.elastic[0])
             env["ASYNCCOLL_MAX_NODES"] = str(self.elastic[1])
+            env["ASYNCCOLL_JOB_ID"] = self.job
         return env
 
     async def spawn(self, rank: int, rdv_port: int, local: int) -> None:
@@ -791,12 +801,10 @@ class _Launcher:
         from .elastic import PREFIX
 
         key = f"{PREFIX}/left/{rank}"
-        if self.store is not None:
-            return bool(self.store.data.get(key) == str(pid).encode())
-        if self.client is None:
+        if self.hold is None:
             return False
         try:
-            return bool(await self.client.get(key, wait=False) == str(pid).encode())
+            return bool(await self.hold.get(key, wait=False) == str(pid).encode())
         except Exception:  # not there (KeyError), or node 0's rendezvous is gone
             return False
 
@@ -846,18 +854,40 @@ class _Launcher:
                 self._say(f"asynccoll run: cannot start the rendezvous server on "
                           f"{self.bind}:{self.port}: {exc}\n")
                 return 1
-            self.store = server.store
+        rdv_port = server.port if server is not None else self.port
         try:
             if self.nnodes > 1:
                 code = await self._interruptible(self._meet_nodes())
                 if code is not None:
                     return code
-            return await self._run(server.port if server is not None else self.port)
+            if self.elastic is not None:
+                code = await self._interruptible(self._hold_job(rdv_port))
+                if code is not None:
+                    return code
+            return await self._run(rdv_port)
         finally:
+            if self.hold is not None:
+                await self.hold.close()
             if self.client is not None:
                 await self.client.close()
             if server is not None:
                 await server.close()
+
+    async def _hold_job(self, rdv_port: int) -> int | None:
+        """Elastic, before this node's processes start: connect to the rendezvous (node 0's)
+        in the job's namespace, as they will (``hold``). None, or the launcher's exit code
+        when it cannot."""
+        from .rendezvous import RendezvousClient
+
+        try:
+            self.hold = await RendezvousClient.connect(
+                self.addr, rdv_port, token=self.token, job=self.job,
+                timeout=NODES_CALL_SECONDS)
+        except Exception as exc:
+            where = f"{self.addr}:{rdv_port}" + (" (node 0's launcher)" if self.node_rank else "")
+            self._say(f"asynccoll run: cannot reach the rendezvous at {where}: {exc}\n")
+            return 1
+        return None
 
     async def _meet_nodes(self) -> int | None:
         """Several nodes, before this node's ranks start: connect to node 0's rendezvous

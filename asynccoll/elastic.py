@@ -7,8 +7,9 @@ and a new world forms, without restarting any process. ``ElasticGroup`` does the
 membership; ``asynccoll.parallel.elastic.ElasticTrainer`` carries training state across
 generations.
 
-Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezvous``), under
-``elastic/``:
+Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezvous``), in the
+namespace of the job's **job id** (``ElasticGroup.connect(job=...)``, else ``ASYNCCOLL_JOB_ID``,
+else ``"elastic"``; see "Job ids" below), under ``elastic/``:
 
 - ``elastic/round``: the newest generation number (decimal).
 - ``elastic/G/joined``: a counter; a process joining generation G takes the next index ``i``
@@ -39,6 +40,15 @@ whose collective fails (a peer died: ``PeerLostError``) opens the next
 generation itself. A member that dies after it joined a generation and before that
 generation's world formed is noticed when the others' wait for its address times out; they
 then open the next generation, with a fresh ``timeout``, and form it without it.
+
+Job ids: every member connects to the rendezvous announcing the job id, so the server keeps
+the job's ``elastic/`` keys apart from those of every other job it serves (two elastic jobs
+on one ``asynccoll rendezvous`` need distinct ids), and drops them when the job's last
+connection closes. Each member holds its connection from ``connect`` to ``close``, through
+every generation, so the keys live as long as one member (or ``asynccoll run``'s launcher,
+which holds one for the whole run) is connected; once none is, the job is over, and a later
+one of the same id starts from generation 0 with nothing of it. The empty job id (``job=""``)
+is the server's shared namespace, which it keeps as long as it runs.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ from .tuning import Tuning
 log = logging.getLogger("asynccoll.elastic")
 
 PREFIX = "elastic"
+#: the job id of a member given none (no ``job`` argument, no ``ASYNCCOLL_JOB_ID``)
+DEFAULT_JOB = "elastic"
 #: how many times one ``form`` starts its ``timeout`` again after a generation failed to form
 #: because a member in its roster never came (it died between joining and forming)
 MAX_FRESH = 3
@@ -164,13 +176,20 @@ class ElasticGroup:
     async def connect(cls, *, min_nodes: int | None = None, max_nodes: int | None = None,
                       rendezvous: str | None = None, token: str | bytes | None = None,
                       settle: float = 1.0, timeout: float = 60.0,
-                      tuning: Tuning | None = None, job: str = "elastic") -> ElasticGroup:
+                      tuning: Tuning | None = None, job: str | None = None
+                      ) -> ElasticGroup:
         """Connect to the job's rendezvous server.
 
         Arguments left ``None`` come from the environment the launcher sets
         (``asynccoll run --elastic``): ``ASYNCCOLL_MIN_NODES``, ``ASYNCCOLL_MAX_NODES``,
         ``ASYNCCOLL_RENDEZVOUS`` (``host:port``; else ``ASYNCCOLL_ADDR``/``MASTER_ADDR`` and
-        ``ASYNCCOLL_PORT``/``MASTER_PORT``) and ``ASYNCCOLL_TOKEN``.
+        ``ASYNCCOLL_PORT``/``MASTER_PORT``), ``ASYNCCOLL_TOKEN`` and ``ASYNCCOLL_JOB_ID``.
+
+        ``job``: the job id, the same on every member of the job (else ``ASYNCCOLL_JOB_ID``,
+        else ``DEFAULT_JOB``). The rendezvous keeps each job id's membership apart (see the
+        module's "Job ids"): give each elastic job sharing a standalone rendezvous its own.
+        Under ``asynccoll run --elastic`` leave it to the launcher, which sets
+        ``ASYNCCOLL_JOB_ID`` for its processes and reads their job's keys.
         """
         from .rendezvous import RendezvousClient
 
@@ -207,11 +226,15 @@ class ElasticGroup:
         min_nodes, max_nodes = _check_nodes(min_nodes, max_nodes)
         settle = _check_settle(settle)
         timeout = check_timeout(timeout)
-        if not isinstance(job, str):
+        if job is None:
+            job = os.environ.get("ASYNCCOLL_JOB_ID") or DEFAULT_JOB
+        elif not isinstance(job, str):
             raise TypeError(f"job must be a str, got {job!r}")
         token = token if token is not None else os.environ.get("ASYNCCOLL_TOKEN")
-        # (the rendezvous protocol bounds one request's wait; our own waits have no bound)
-        client = await RendezvousClient.connect(host, int(port_s), token=token,
+        # (the rendezvous protocol bounds one request's wait; our own waits have no bound).
+        # This connection, in the job's namespace, stays open until ``close``: while a member
+        # holds one, the server keeps the job's keys (see "Job ids")
+        client = await RendezvousClient.connect(host, int(port_s), token=token, job=job,
                                                 timeout=min(timeout, MAX_WAIT_TIMEOUT))
         return cls(client, min_nodes=min_nodes, max_nodes=max_nodes, settle=settle,
                    timeout=timeout, token=token, tuning=tuning, job=job)
