@@ -68,6 +68,12 @@ log = logging.getLogger("asynccoll.transport")
 _DATA = FrameKind.DATA
 _P2P = FrameKind.P2P
 
+#: groups closed by a member that a mailbox remembers at most (``Mailbox.close_group``):
+#: beyond, the one that closed longest ago is forgotten (a frame of it that still comes is
+#: then kept as an early frame, and a member that keeps using it waits for its timeout
+#: instead of failing at once); a job that creates and closes groups for days holds no more
+MAX_CLOSED_GROUPS = 1024
+
 #: (src world rank, frame kind, group, seq, step, tag)
 Key = tuple[int, int, int, int, int, int]
 #: ``(fn, nbytes, frames)``: ``fn(lo, hi)`` computes bytes ``[lo, hi)`` of an ``nbytes``
@@ -192,7 +198,8 @@ class Mailbox:
         self.reclaim: Callable[[Any], object] | None = None
         self._error: CollectiveError | None = None
         self._scope: Scope | None = None
-        #: groups closed by a member, this rank or another (``close_group``)
+        #: groups closed by a member, this rank or another (``close_group``): the latest
+        #: ``MAX_CLOSED_GROUPS``
         self._left: dict[int, _Left] = {}
         self._on_mismatch = on_mismatch
         # the event loop receives are posted in, looked up once (asyncio.get_running_loop
@@ -424,15 +431,18 @@ class Mailbox:
         later ones; frames that can no longer be taken are dropped. Nothing else changes:
         the world and its other groups go on. A later notice of the group narrows it
         further (a smaller ``first``), never widens it."""
-        left = self._left.get(group)
+        left = self._left.pop(group, None)  # (back in as the latest: forgotten last)
         if left is None:
-            left = self._left[group] = _Left(first, {} if src is not None else None, exc)
+            left = _Left(first, {} if src is not None else None, exc)
+            while len(self._left) >= MAX_CLOSED_GROUPS:
+                del self._left[next(iter(self._left))]
         elif first < left.first:
             left.first, left.error = first, exc
         if src is None:
             left.p2p, left.error = None, exc
         elif left.p2p is not None:
             left.p2p.setdefault(src, (p2p, exc))
+        self._left[group] = left
         for key in [k for k in self._posted if k[2] == group and self.left(k) is not None]:
             self._cut_short(key)
             _fail_future(self._posted.pop(key).future, self.left(key) or exc)
