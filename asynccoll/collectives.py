@@ -910,7 +910,7 @@ class Communicator:
         self._check_open("send")
         left = t.mailbox.left_group(self._group, dst=self._ranks[dst])
         if left is not None:  # the receiver closed this group: nobody would take it
-            raise left
+            raise left.with_traceback(None)  # (kept: see Mailbox.take)
         n = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = n + 1
         head = encode_data_head(FrameKind.P2P, self._group, n, 0, 0, t.rank,

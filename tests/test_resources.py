@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import asynccoll
-from asynccoll import CollectiveError, Communicator, wire_stream
+from asynccoll import CollectiveError, Communicator, PeerLostError, wire_stream
 from asynccoll.api import local_world
 from asynccoll.transport import base
 
@@ -401,6 +401,48 @@ async def test_calls_of_many_distinct_sizes_stay_within_the_caches_limits(backen
         grown = [f"{k}: {first.state.get(k, 0)} -> {v}" for k, v in after.state.items()
                  if v > first.state.get(k, 0)]
         assert not grown, grown
+    finally:
+        for c in comms:
+            await c.close()
+
+
+def _traceback_length(exc: BaseException) -> int:
+    n, tb = 0, exc.__traceback__
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_an_error_raised_again_and_again_does_not_grow(backend: str) -> None:
+    """Calls refused for the same reason again and again (a send to, or a recv from, a
+    member that closed the group; a recv from a lost peer) raise an error whose traceback
+    stays short: one error object kept and raised on every call gathered the frames of
+    every raise (and the arrays they held) until the world closed."""
+    comms = await local_world(3, backend, timeout=20)
+    try:
+        groups = await asyncio.gather(*(c.new_group([0, 1]) for c in comms))
+        await groups[1].close()
+        for _ in range(100):
+            if comms[0].transport.mailbox.left_group(groups[0]._group) is not None:
+                break
+            await asyncio.sleep(0.01)
+        g = groups[0]
+        comms[0].transport.mailbox.peer_lost(2, PeerLostError("world rank 2 is gone", rank=2))
+        last: list[BaseException] = []
+
+        async def refused(n: int) -> None:
+            for _ in range(n):
+                for call in (lambda: g.send(np.ones(4096), 1), lambda: g.recv(1),
+                             lambda: comms[0].recv(2)):
+                    with pytest.raises(CollectiveError) as info:
+                        await call()
+                    last.append(info.value)
+                    del info
+                del last[:-3]
+
+        await _flat(refused, 20, _scaled(300), memory=32768, comms=comms)
+        assert max(map(_traceback_length, last)) < 20, [_traceback_length(e) for e in last]
     finally:
         for c in comms:
             await c.close()

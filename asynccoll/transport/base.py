@@ -232,17 +232,19 @@ class Mailbox:
         With ``borrow``, a lent payload of ``into``'s size is handed over as it is, to be
         released with ``release``.
         """
+        # (an error kept and raised again: with_traceback(None), or each raise would add
+        # its frames, and what they hold, to the frames of every earlier one)
         if self._error is not None and not self._key_allowed(key):
-            raise self._error
+            raise self._error.with_traceback(None)
         frame = self._early.pop(key, None)
         if frame is None:
             lost = self._lost.get(key[0])
             if lost is not None:
-                raise lost
+                raise lost.with_traceback(None)
             if self._left:
                 left = self.left(key)
                 if left is not None:
-                    raise left
+                    raise left.with_traceback(None)
             return None
         lent = self._lent.pop(key, None)
         if lent is None:

@@ -773,7 +773,7 @@ class TcpTransport(Transport):
     async def _dial(self, dst: int) -> _Connection:
         lost = self._unreachable(dst)
         if lost is not None:
-            raise lost
+            raise lost.with_traceback(None)  # (kept: see Mailbox.take)
         try:
             host, port = self.addresses[dst]
         except KeyError:
@@ -852,7 +852,7 @@ class TcpTransport(Transport):
             return conn.drain_future() if conn._paused else None
         lost = self._unreachable(dst)
         if lost is not None:
-            raise lost
+            raise lost.with_traceback(None)  # (kept: see Mailbox.take)
         # not connected yet: queue in order behind one dial
         fut: asyncio.Future[None] = self.loop.create_future()
         queue = self._queued.get(dst)
