@@ -279,3 +279,57 @@ async def test_setting_a_tuning_that_is_no_tuning_is_a_type_error_at_once(backen
         np.testing.assert_array_equal(await comm.all_reduce(np.ones(3)), np.full(3, 2.0))
 
     await asynccoll.run_local(fn, 2, backend, timeout=10, tuning=mine)
+
+
+# ------------------------------------------------------------------- ranks per machine
+
+@pytest.mark.parametrize(("asynccoll_var", "plain_var", "named"), [
+    ("abc", None, "ASYNCCOLL_LOCAL_WORLD_SIZE"),
+    ("0", None, "ASYNCCOLL_LOCAL_WORLD_SIZE"),
+    ("2.5", "4", "ASYNCCOLL_LOCAL_WORLD_SIZE"),
+    (None, "four", "LOCAL_WORLD_SIZE"),
+    (None, "-3", "LOCAL_WORLD_SIZE"),
+])
+async def test_a_local_world_size_that_is_no_count_is_refused(
+        monkeypatch: pytest.MonkeyPatch, asynccoll_var: str | None, plain_var: str | None,
+        named: str) -> None:
+    """ASYNCCOLL_LOCAL_WORLD_SIZE (else LOCAL_WORLD_SIZE), the ranks on this machine, sets
+    whether a TCP rank polls, spins and hands its core over, and whether the world is
+    crowded (larger segments). A value that is no positive integer was taken as 1 in
+    silence; it is a ValueError naming the variable, before a TCP world forms."""
+    for name, value in (("ASYNCCOLL_LOCAL_WORLD_SIZE", asynccoll_var),
+                        ("LOCAL_WORLD_SIZE", plain_var)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{named} must be a positive integer"):
+        tcp_module.TcpTransport(0, 2)
+    with pytest.raises(ValueError, match=f"^{named} must be a positive integer"):
+        await asynccoll.run_local(lambda c: c.barrier(), 2, "tcp", timeout=5)
+
+
+async def test_a_valid_local_world_size_wins_over_a_bad_plain_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ASYNCCOLL_LOCAL_WORLD_SIZE wins: a LOCAL_WORLD_SIZE of another launcher beside it is
+    not read, good or bad."""
+    monkeypatch.setenv("ASYNCCOLL_LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "abc")
+    assert not tcp_module.TcpTransport(0, 2).yields
+    assert await asynccoll.run_local(lambda c: c.barrier(), 2, "tcp", timeout=5) == [None] * 2
+
+
+async def test_init_refuses_a_bad_local_world_size_before_hosting_the_rendezvous(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init`` on rank 0 raises before it hosts the rendezvous (other ranks would otherwise
+    find it, connect, and wait for a rank that is gone)."""
+    from asynccoll.rendezvous import RendezvousServer
+
+    async def hosted(self: Any) -> None:
+        raise AssertionError("the rendezvous was started")
+
+    monkeypatch.setattr(RendezvousServer, "start", hosted)
+    monkeypatch.setenv("ASYNCCOLL_LOCAL_WORLD_SIZE", "x8")
+    with pytest.raises(ValueError, match=r"^ASYNCCOLL_LOCAL_WORLD_SIZE must be a positive"):
+        await asynccoll.init(backend="tcp", rank=0, world_size=2, addr="127.0.0.1", port=0,
+                             timeout=5)

@@ -1204,16 +1204,32 @@ def _env(*names: str) -> str | None:
     return None
 
 
+def local_world_size() -> int:
+    """The ranks on this machine: ASYNCCOLL_LOCAL_WORLD_SIZE, else LOCAL_WORLD_SIZE, else 1.
+    A value that is no positive integer is a ``ValueError`` naming the variable (it was taken
+    as 1 in silence: a typo then changed, unseen, how ranks poll and whether the world is
+    crowded)."""
+    for name in ("ASYNCCOLL_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # ASYNCCOLL_ wins
+        local = _env(name)
+        if local is None:
+            continue
+        try:
+            ranks = int(local)
+        except ValueError:
+            ranks = 0
+        if ranks < 1:
+            raise ValueError(f"{name} must be a positive integer (the ranks on this "
+                             f"machine), got {local!r}")
+        return ranks
+    return 1
+
+
 def _ranks_per_core() -> float:
     """Ranks on this machine per core this rank may run on: at most 1, every rank can have a
     core (so polling steals from no one)."""
-    local = _env("ASYNCCOLL_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE")  # ASYNCCOLL_ wins
-    try:
-        ranks = int(local) if local is not None else 1
-    except ValueError:
-        ranks = 1
+    ranks = local_world_size()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(ranks, 1) / (cores or 1)
+    return ranks / (cores or 1)
 
 
 #: names that moved to ``tcp_world`` (forming worlds), still importable from here; looked up

@@ -26,7 +26,7 @@ from ..errors import CollectiveError, RendezvousError, RendezvousTimeout
 from ..handshake import handshake_timeout as resolve_handshake_timeout
 from ..tuning import Tuning
 from ..wire import ABSOLUTE_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
-from .tcp import TcpTransport, _env, check_peer_loss
+from .tcp import TcpTransport, _env, check_peer_loss, local_world_size
 
 #: Worlds up to this many ranks connect every pair at start-up (as Gloo does); larger ones
 #: only the pairs their ring, recursive doubling and barrier use.
@@ -268,6 +268,7 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     max_payload = check_max_payload(max_payload)
     check_options(tuning=tuning, peer_loss=peer_loss, token=token, addr=addr, bind=bind,
                   rendezvous=rendezvous, host_rendezvous=host_rendezvous)
+    local_world_size()  # a bad (ASYNCCOLL_)LOCAL_WORLD_SIZE: before rank 0 hosts anything
     # the rendezvous bounds a wait to a day: a longer timeout (inf: none) waits that long
     wait = min(float(timeout), MAX_WAIT_TIMEOUT)
     if world_size < 1 or not 0 <= rank < world_size:
