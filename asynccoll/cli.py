@@ -235,11 +235,14 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _shape_text(shape: dict[str, Any]) -> str:
-    """A launcher's ``-n``, ``--nnodes`` and elastic settings, as on its command line."""
+    """A launcher's ``-n``, ``--nnodes`` and elastic settings, as on its command line, and
+    the job id its processes use (when they use one)."""
     text = f"-n {shape['n']} --nnodes {shape['nnodes']}"
     if shape.get("min_nodes") is None:
-        return text + " (not elastic)"
-    return text + f" --min-nodes {shape['min_nodes']} --max-nodes {shape['max_nodes']}"
+        text += " (not elastic)"
+    else:
+        text += f" --min-nodes {shape['min_nodes']} --max-nodes {shape['max_nodes']}"
+    return text + (f" (job id {shape['job']!r})" if shape.get("job") else "")
 
 
 def _failure_text(failed: dict[str, Any]) -> str:
@@ -275,13 +278,14 @@ class _Launcher:
         self.replacements = 0
         #: elastic: processes that exited after leaving the job (not counted as succeeded)
         self.left = 0
-        #: elastic: the job id its processes get (ASYNCCOLL_JOB_ID): the namespace of the
-        #: rendezvous that holds their membership, and where leavers say so
-        self.job = ""
-        if elastic is not None:
+        #: the job id its processes use (ASYNCCOLL_JOB_ID; elastic, the launcher sets it):
+        #: the namespace of the rendezvous that holds their roster, or their membership and
+        #: where leavers say so. Every node's launcher must have the same
+        self.job = os.environ.get("ASYNCCOLL_JOB_ID") or ""
+        if elastic is not None and not self.job:
             from .elastic import DEFAULT_JOB
 
-            self.job = os.environ.get("ASYNCCOLL_JOB_ID") or DEFAULT_JOB
+            self.job = DEFAULT_JOB
         #: elastic: this launcher's connection to the rendezvous in the job's namespace,
         #: open from before its processes start until after they ended. Through it the
         #: launcher reads who left; holding it keeps the job's keys in the server while
@@ -636,7 +640,8 @@ class _Launcher:
         failed already starts nothing more. Returns (what is wrong, the exit code), or None."""
         c = self.client
         lo, hi = self.elastic if self.elastic is not None else (None, None)
-        mine = {"n": self.n, "nnodes": self.nnodes, "min_nodes": lo, "max_nodes": hi}
+        mine = {"n": self.n, "nnodes": self.nnodes, "min_nodes": lo, "max_nodes": hi,
+                "job": self.job}
         if self.node_rank == 0:
             await self._ask(c.set(f"{NODES_PREFIX}/shape", json.dumps(mine)))
         else:
@@ -645,7 +650,8 @@ class _Launcher:
             if theirs != mine:
                 return (f"node {self.node_rank}'s launcher was started with "
                         f"{_shape_text(mine)}, node 0's with {_shape_text(theirs)}: every "
-                        f"node needs the same -n, --nnodes, --min-nodes and --max-nodes", 2)
+                        f"node needs the same -n, --nnodes, --min-nodes, --max-nodes and "
+                        f"ASYNCCOLL_JOB_ID", 2)
         me = f"{c.local_address[0]}, pid {os.getpid()}"
         key = f"{NODES_PREFIX}/node/{self.node_rank}"
         swapped, holder = await self._ask(c.compare_set(key, None, me))

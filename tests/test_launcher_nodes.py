@@ -32,10 +32,10 @@ EXAMPLE = str(REPO / "examples" / "elastic.py")
 
 
 def node(start: Callable[..., Proc], k: int, port: int, mode: str, *extra: str,
-         nnodes: int = 2, n: int = 2) -> Proc:
+         nnodes: int = 2, n: int = 2, **env: str) -> Proc:
     return start(launcher("-n", str(n), "--nnodes", str(nnodes), "--node-rank", str(k),
                           "--port", str(port), *extra, SCRIPT, mode),
-                 clean_env(ASYNCCOLL_TOKEN="two-node-secret"))
+                 clean_env(ASYNCCOLL_TOKEN="two-node-secret", **env))
 
 
 def sleeping_nodes(start: Callable[..., Proc], port: int) -> list[Proc]:
@@ -161,6 +161,22 @@ def test_a_node_started_with_other_sizes_is_refused(reaper: Callable[..., Proc])
     assert second.finish(30) == 2, second.output
     assert ("node 1's launcher was started with -n 3 --nnodes 2 (not elastic), node 0's "
             "with -n 2 --nnodes 2 (not elastic)" in second.output), second.output
+    assert "PID" not in second.output
+    assert first.popen.poll() is None, first.output
+
+
+def test_a_node_started_with_another_job_id_is_refused(reaper: Callable[..., Proc]) -> None:
+    """An elastic job across two nodes whose node 1 launcher has ASYNCCOLL_JOB_ID=other
+    and node 0's none: its processes would keep their membership in another namespace of
+    node 0's rendezvous than node 0's (job id 'elastic'), forming a job of their own. It
+    started them; it is now refused before it starts one, naming both job ids."""
+    port = free_fixed_port()
+    first = node(reaper, 0, port, "check", "--elastic")
+    second = node(reaper, 1, port, "check", "--elastic", ASYNCCOLL_JOB_ID="other")
+    assert second.finish(30) == 2, second.output
+    assert ("node 1's launcher was started with -n 2 --nnodes 2 --min-nodes 1 --max-nodes 4 "
+            "(job id 'other'), node 0's with -n 2 --nnodes 2 --min-nodes 1 --max-nodes 4 "
+            "(job id 'elastic')" in second.output), second.output
     assert "PID" not in second.output
     assert first.popen.poll() is None, first.output
 
