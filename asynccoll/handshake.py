@@ -475,10 +475,15 @@ def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
     writelines(writer.transport, encode_frame(frame))
 
 
+class HandshakeClosed(ProtocolError):
+    """The other end closed the connection during the handshake, without REJECT (a server
+    going away, or not an asynccoll server): unlike a refusal, worth another try."""
+
+
 async def _read_handshake_frame(reader: asyncio.StreamReader, step: str) -> Frame:
     frame = await read_frame(reader, HANDSHAKE_MAX_PAYLOAD)
     if frame is None:
-        raise ProtocolError(f"connection closed during the handshake (waiting for {step})")
+        raise HandshakeClosed(f"connection closed during the handshake (waiting for {step})")
     return frame
 
 
@@ -490,7 +495,8 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
     Raises:
         AuthenticationError: the server does not know the token, or it rejected us.
-        ProtocolError: the server broke the protocol or closed the connection.
+        ProtocolError: the server broke the protocol; ``HandshakeClosed`` (a ProtocolError)
+            when it closed the connection without REJECT.
         TimeoutError: the handshake did not finish within ``timeout`` seconds.
     The caller owns ``writer`` and must close it after an error.
     """
@@ -506,7 +512,7 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     except TimeoutError:
         raise TimeoutError(f"handshake did not complete within {timeout} s") from None
     except (ConnectionError, BrokenPipeError) as exc:
-        raise ProtocolError(f"connection lost during the handshake: {exc}") from None
+        raise HandshakeClosed(f"connection lost during the handshake: {exc}") from None
 
 
 async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -559,7 +565,8 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 __all__ = [
     "CLIENT_LABEL", "DEFAULT_HANDSHAKE_TIMEOUT", "HANDSHAKE_TIMEOUT_ENV", "NONCE_BYTES",
-    "PROOF_BYTES", "ROLES", "SERVER_LABEL", "ClientHandshake", "ServerHandshake",
+    "PROOF_BYTES", "ROLES", "SERVER_LABEL", "ClientHandshake", "HandshakeClosed",
+    "ServerHandshake",
     "client_handshake", "client_proof", "handshake_timeout", "normalize_token", "read_frame",
     "server_handshake", "server_proof", "write_frame",
 ]

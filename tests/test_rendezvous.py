@@ -755,6 +755,55 @@ async def test_connect_retries_a_host_with_several_addresses(
         await (await starter).close()
 
 
+async def test_connect_retries_a_server_that_closes_during_the_handshake() -> None:
+    """A server going away as the client connects (the previous world's rendezvous closing
+    on the port the next world's rank 0 is about to bind) closes the connection before
+    WELCOME, without REJECT: that is retried as a refused connection is, within the
+    timeout. Without retry, or past the timeout, it is the same clear error as before."""
+    port = _free_port()
+    closing: list[int] = []
+    came = asyncio.Event()
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        closing.append(1)
+        came.set()
+        await reader.read(1)           # the client's HELLO, then gone
+        writer.close()
+
+    dying = await asyncio.start_server(hang_up, "127.0.0.1", port)
+
+    async def replace() -> RendezvousServer:
+        await came.wait()
+        await asyncio.sleep(0.2)
+        dying.close()
+        await dying.wait_closed()
+        return await _late_server(port)
+
+    starter = asyncio.create_task(replace())
+    try:
+        async with await RendezvousClient.connect("127.0.0.1", port, token=TOKEN,
+                                                  timeout=5) as c:
+            await c.set("k", b"v")
+            assert await c.get("k") == b"v"
+    finally:
+        await (await starter).close()
+    assert len(closing) >= 2     # (the first connections were hung up on: retried)
+
+    dying = await asyncio.start_server(hang_up, "127.0.0.1", port)
+    try:
+        with pytest.raises(RendezvousError, match="closed during the handshake"):
+            await RendezvousClient.connect("127.0.0.1", port, token=TOKEN,
+                                           connect_retry=False, timeout=5)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(RendezvousError, match="closed during the handshake"):
+            await RendezvousClient.connect("127.0.0.1", port, token=TOKEN, timeout=0.5)
+        assert loop.time() - start < 2.0
+    finally:
+        dying.close()
+        await dying.wait_closed()
+
+
 async def test_connect_without_retry_or_past_timeout() -> None:
     port = _free_port()
     with pytest.raises(RendezvousError, match="could not connect"):

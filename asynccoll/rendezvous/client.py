@@ -11,7 +11,13 @@ from typing import Any
 import msgpack
 
 from ..errors import AuthenticationError, ProtocolError, RendezvousError
-from ..handshake import client_handshake, normalize_token, read_frame, write_frame
+from ..handshake import (
+    HandshakeClosed,
+    client_handshake,
+    normalize_token,
+    read_frame,
+    write_frame,
+)
 from ..wire import Frame, FrameHeader, FrameKind
 from ._common import (
     _I64_MAX,
@@ -100,11 +106,12 @@ class RendezvousClient:
                       max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> RendezvousClient:
         """Connect and authenticate to the rendezvous server at ``host:port``.
 
-        With ``connect_retry`` a refused connection is retried (with backoff) until ``timeout``
-        has passed, since rank 0 may not have started its server yet. ``timeout`` is also the
-        default bound of every later call. ``max_value_bytes`` bounds the values this client
-        accepts from the server; the values it sends are bounded by the server's limit, which
-        the server announces in WELCOME.
+        With ``connect_retry`` a refused connection, or one closed during the handshake
+        without a refusal (a server going away as we came), is retried (with backoff) until
+        ``timeout`` has passed, since rank 0 may not have started its server yet.
+        ``timeout`` is also the default bound of every later call. ``max_value_bytes`` bounds
+        the values this client accepts from the server; the values it sends are bounded by
+        the server's limit, which the server announces in WELCOME.
 
         Raises:
             AuthenticationError: the token (or job id) does not match the server's.
@@ -126,7 +133,6 @@ class RendezvousClient:
             try:
                 async with asyncio.timeout_at(deadline):
                     reader, writer = await asyncio.open_connection(host, port)
-                break
             except TimeoutError:
                 raise RendezvousError(
                     f"could not connect to the rendezvous server at {address} within "
@@ -142,22 +148,34 @@ class RendezvousClient:
                                           f"{address}: {exc}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
-        # A server that came up just before the deadline still gets a fair handshake.
-        budget = max(deadline - loop.time(), min(timeout, 5.0))
-        try:
-            welcome = await client_handshake(reader, writer, token, role="client", rank=rank,
-                                             job=job, timeout=budget)
-        except AuthenticationError as exc:
-            await _close_writer(writer, abort=True)
-            # (which server: a rank's own refusals name the peer, see TcpTransport._dial)
-            raise AuthenticationError(f"rendezvous server at {address}: {exc}") from None
-        except (ProtocolError, TimeoutError) as exc:
-            await _close_writer(writer, abort=True)
-            raise RendezvousError(f"handshake with the rendezvous server at {address} failed: "
-                                  f"{exc}") from exc
-        except BaseException:
-            await _close_writer(writer, abort=True)
-            raise
+                continue
+            # A server that came up just before the deadline still gets a fair handshake.
+            budget = max(deadline - loop.time(), min(timeout, 5.0))
+            try:
+                welcome = await client_handshake(reader, writer, token, role="client",
+                                                 rank=rank, job=job, timeout=budget)
+                break
+            except AuthenticationError as exc:
+                await _close_writer(writer, abort=True)
+                # (which server: a rank's own refusals name the peer, see TcpTransport._dial)
+                raise AuthenticationError(f"rendezvous server at {address}: {exc}") from None
+            except HandshakeClosed as exc:
+                # Hung up on without REJECT: a server going away as we came (the last world's
+                # rendezvous closing on the port the next one is about to bind) or not up
+                # yet behind a proxy. Another try, as for a refused connection.
+                await _close_writer(writer, abort=True)
+                if not connect_retry or loop.time() + delay >= deadline:
+                    raise RendezvousError(f"handshake with the rendezvous server at {address} "
+                                          f"failed: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+            except (ProtocolError, TimeoutError) as exc:
+                await _close_writer(writer, abort=True)
+                raise RendezvousError(f"handshake with the rendezvous server at {address} "
+                                      f"failed: {exc}") from exc
+            except BaseException:
+                await _close_writer(writer, abort=True)
+                raise
         send_limit = welcome.get("max_value_bytes")
         if type(send_limit) is not int or send_limit < 0:
             send_limit = max_value_bytes
