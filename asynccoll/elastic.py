@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from .collectives import Communicator, check_int, check_timeout
-from .errors import RendezvousError
+from .errors import RendezvousError, RendezvousTimeout
 from .rendezvous._common import MAX_WAIT_TIMEOUT
 from .tuning import Tuning
 
@@ -304,9 +304,9 @@ class ElasticGroup:
                     roster = await self._close(g, records)
                     break
             if now > deadline:
-                raise RendezvousError(f"elastic generation {g}: {n} of at least "
-                                      f"{self.min_nodes} processes joined within "
-                                      f"{self.timeout:g} s")
+                raise RendezvousTimeout(f"elastic generation {g}: {n} of at least "
+                                        f"{self.min_nodes} processes joined within "
+                                        f"{self.timeout:g} s")
             await asyncio.sleep(self._poll)
         if self.id not in roster:
             if len(roster) < self.max_nodes:
@@ -315,8 +315,8 @@ class ElasticGroup:
                 log.info("elastic: generation %d is full; %s waits as a spare", g, self.id)
                 while await self.current_round() <= g:
                     if time.monotonic() > deadline:
-                        raise RendezvousError(f"spare {self.id} found no place within "
-                                              f"{self.timeout:g} s")
+                        raise RendezvousTimeout(f"spare {self.id} found no place within "
+                                                f"{self.timeout:g} s")
                     await asyncio.sleep(10 * self._poll)
             return None
         old = set(prev.roster) if prev else set()
@@ -357,8 +357,10 @@ class ElasticGroup:
         """Leave the current world (if any) and join the next generation's.
 
         Returns the new communicator (also ``comm``); ``generation`` describes it.
-        Raises ``RendezvousError`` if no generation with ``min_nodes``
-        members forms within ``timeout``.
+        Raises ``RendezvousTimeout`` (a ``RendezvousError`` and a ``CollectiveTimeout``) if
+        no generation with ``min_nodes`` members forms within ``timeout``, and
+        ``RendezvousError`` if generations keep failing to form for that long (the last
+        failure is its cause).
         """
         from .transport.tcp_world import tcp_store_world
 
@@ -377,8 +379,8 @@ class ElasticGroup:
             gen = await self._join(g, deadline)
             if gen is None:
                 if time.monotonic() > deadline:
-                    raise RendezvousError(f"no elastic generation formed within "
-                                          f"{self.timeout:g} s")
+                    raise RendezvousTimeout(f"no elastic generation formed within "
+                                            f"{self.timeout:g} s")
                 continue
             began = time.monotonic()
             try:

@@ -68,7 +68,8 @@ class RendezvousError(CollectiveError):
 
 class RendezvousTimeout(RendezvousError, CollectiveTimeout):
     """A world did not form within its ``timeout``: ranks that never joined the rendezvous
-    (the message names them). Both a ``RendezvousError`` and a ``CollectiveTimeout``."""
+    (the message names them), or too few processes for an elastic generation. Both a
+    ``RendezvousError`` and a ``CollectiveTimeout``."""
 
 
 __all__ += ["RendezvousError", "RendezvousTimeout"]

@@ -15,7 +15,7 @@ from test_peer_loss import crash
 
 from asynccoll import Communicator
 from asynccoll.elastic import ElasticGroup
-from asynccoll.errors import RendezvousError
+from asynccoll.errors import CollectiveTimeout, RendezvousError, RendezvousTimeout
 from asynccoll.parallel import (
     MLP,
     Adam,
@@ -134,6 +134,26 @@ async def test_trainer_gives_up_after_one_timeout_when_too_few_join() -> None:
             with pytest.raises(RendezvousError, match="1 of at least 2"):
                 await trainer.start()
             assert time.monotonic() - began < 2.5
+        finally:
+            await group.close()
+    finally:
+        await server.close()
+
+
+async def test_a_generation_that_does_not_form_in_time_is_a_rendezvous_timeout() -> None:
+    """Too few members within ``timeout`` is a ``RendezvousTimeout``, as a TCP world that
+    does not form is (docs/concepts.md, Errors): code catching ``CollectiveTimeout`` or
+    ``TimeoutError`` for a world that never formed catches it too."""
+    server = RendezvousServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        group = await ElasticGroup.connect(min_nodes=2, max_nodes=2, settle=0.05, timeout=0.5,
+                                           rendezvous=f"127.0.0.1:{server.port}")
+        try:
+            with pytest.raises(RendezvousTimeout, match="1 of at least 2") as info:
+                await asyncio.wait_for(group.form(), 5)
+            assert isinstance(info.value, CollectiveTimeout)
+            assert isinstance(info.value, TimeoutError)
         finally:
             await group.close()
     finally:

@@ -104,7 +104,7 @@ def test_a_worker_sent_sigterm_leaves_without_costing_a_step(reaper: Callable[..
 @pytest.mark.timeout(120)
 def test_workers_that_left_do_not_count_as_finished(reaper: Callable[..., Proc]) -> None:
     """Two of three workers sent SIGTERM leave; the third, alone below --min-nodes 2, gives up
-    with RendezvousError. No process finished the training: the launcher must not exit 0
+    with RendezvousTimeout. No process finished the training: the launcher must not exit 0
     because the two that left exited 0."""
     port = free_fixed_port()
     job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "3", "--port",
@@ -117,7 +117,7 @@ def test_workers_that_left_do_not_count_as_finished(reaper: Callable[..., Proc])
     code = job.finish(60)
     out = job.output
     assert len(re.findall(r"^\[[01]\] LEFT at step \d+$", out, re.M)) == 2, out
-    assert "RendezvousError" in out and "FINAL" not in out, out
+    assert "RendezvousTimeout" in out and "FINAL" not in out, out
     assert code == 1, out
     assert "rank 0 left the job" in out and "rank 1 left the job" in out, out
     assert "only 0 processes succeeded" in out and "2 left the job" in out, out

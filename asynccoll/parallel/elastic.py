@@ -102,7 +102,9 @@ class ElasticTrainer:
         """Join the first generation (or the running job) and get the current state.
 
         Raises:
-            RendezvousError: no generation formed within the group's ``timeout``.
+            RendezvousError: no generation formed within the group's ``timeout``
+                (``RendezvousTimeout``, also a ``CollectiveTimeout``, when too few processes
+                came).
         """
         for attempt in range(self.max_reforms + 1):
             try:
@@ -141,8 +143,9 @@ class ElasticTrainer:
         whose step fails leaves there instead of joining the next world (it returns None).
 
         Raises:
-            RendezvousError: no new world formed within the group's ``timeout`` (fewer than
-                ``min_nodes`` processes left); not retried.
+            RendezvousError: no new world formed within the group's ``timeout``
+                (``RendezvousTimeout``, also a ``CollectiveTimeout``, when fewer than
+                ``min_nodes`` processes are left); not retried.
             CollectiveError: more than ``max_reforms`` failures in a row.
             RuntimeError: this process left the job.
         """
