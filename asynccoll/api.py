@@ -110,6 +110,10 @@ async def run_local(fn: Callable[[Communicator], Awaitable[T]], world_size: int,
             a real rendezvous server).
         timeout: per-collective timeout of every communicator.
         tuning: algorithm thresholds (default ``Tuning``).
+        **options: ``gpu_staging=True`` (memory and tcp: the communicators also take CuPy
+            arrays, staged through pinned host memory); for ``"tcp"`` also ``token``,
+            ``max_payload``, ``peer_loss`` and ``handshake_timeout``, as for ``init``. An
+            option the backend does not take is a ``TypeError``.
     """
     comms = await local_world(world_size, backend, timeout=timeout, tuning=tuning, **options)
     failures: list[BaseException] = []
