@@ -508,9 +508,9 @@ class Communicator:
 
     def _in_call(self, exc: CollectiveError, sig: tuple[Any, ...], seq: int
                  ) -> CollectiveError:
-        """``exc``, which ended collective ``seq`` here, as an error that names that call
-        too (a lost peer, a failure relayed from another rank, a close say nothing of it);
-        ``exc`` itself where its message names the call already (a mismatch, a timeout)."""
+        """``exc``, which ended collective ``seq`` here, as an error that names that call,
+        this rank and ``seq`` (``name_call``); ``exc`` itself where this rank made it about
+        this call (a mismatch its mailbox found in it)."""
         extra = ""
         relayed = _RELAYED.match(str(exc)) if type(exc) is CollectiveError else None
         waited = self._transport.mailbox.awaited(self._group, seq) if relayed else None
@@ -519,7 +519,8 @@ class Communicator:
             # waited for leads on towards a rank that never called
             extra = (f"; {self._names([self._transport.rank])} was waiting for "
                      f"{self._names(waited)}")
-        return name_call(exc, sig, self._rank, self._where(seq), extra)
+        own = self._transport.mailbox.mismatch == ((self._group, seq), exc)
+        return name_call(exc, sig, self._rank, self._where(seq), extra, own=own)
 
     def _check_open(self, what: str = "") -> None:
         """Raise unless a call (named ``what`` in the error of a broken world) may start."""

@@ -505,6 +505,35 @@ async def test_mpi_a_relayed_failure_names_the_call_it_ended() -> None:
         assert "closed" in got[r], got[r]
 
 
+async def test_mpi_a_call_in_flight_names_itself_when_another_rank_cancelled_the_same_call(
+        ) -> None:
+    """Rank 0's barrier is cancelled while rank 1 waits in its own barrier (rank 2 comes
+    later). Rank 1's error relays 'world rank 0 failed: barrier() was cancelled on group
+    rank 0', which names a call of the same signature: it used to be left at that, without
+    rank 1's group rank and sequence number; it now starts with rank 1's own call."""
+    async def fn(comm: Communicator) -> str:
+        await comm.barrier()  # sequence number 0: completes
+        if comm.rank == 0:
+            waiting = asyncio.ensure_future(comm.barrier())
+            await asyncio.sleep(0.2)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            return ""
+        if comm.rank == 2:
+            await asyncio.sleep(0.8)  # comes after the world broke
+            with pytest.raises(CollectiveError):
+                await comm.barrier()
+            return ""
+        with pytest.raises(CollectiveError) as raised:
+            await comm.barrier()
+        return str(raised.value)
+
+    text = (await run_world(fn, W, "mpi", timeout=8.0))[1]
+    assert text.startswith("barrier() on group rank 1 (sequence number 1 of the world): the "
+                           "communicator is broken: world rank 0 failed: barrier() was "
+                           "cancelled on group rank 0"), text
+
+
 async def test_mpi_a_call_refused_by_a_broken_world_names_itself() -> None:
     """A call started after the world broke starts with its name ("all_reduce: the
     communicator is broken: ..."), as on memory and tcp; it used to say only 'the communicator

@@ -123,15 +123,21 @@ def describe_sig(sig: tuple[Any, ...] | None) -> str:
 
 
 def name_call(exc: CollectiveError, sig: tuple[Any, ...], rank: int, where: str,
-              extra: str = "") -> CollectiveError:
+              extra: str = "", *, own: bool = False) -> CollectiveError:
     """``exc``, which ended the collective ``sig`` on group rank ``rank`` (``where``: which
-    call of which group, ``Communicator._where``), as an error of its class that names that
-    call too (a lost peer, a failure relayed from another rank, a close say nothing of it),
-    with ``extra`` added to its message; ``exc`` itself where its message names the call
-    already and there is nothing to add. A ``PeerLostError`` keeps its ``rank``."""
+    call of which group, ``Communicator._where``), as an error of its class whose message
+    starts with that call, that rank and that sequence number (``"all_reduce(<f4, (4,),
+    sum, ring) on group rank 1 (sequence number 3 of the world): "``), with ``extra``
+    added at its end. A failure relayed from another rank, a lost peer, a close, another
+    call's error say nothing of this call, even when they name a call of the same signature
+    (another rank's cancelled ``barrier()``). ``exc`` is kept as it is (``extra`` aside)
+    where this rank made it about this very call, its message naming all three already: a
+    timeout or a native library's mismatch (``_native``), or, with ``own``, the mismatch
+    this rank's mailbox found in this call (``Mailbox.mismatch``). A ``PeerLostError``
+    keeps its ``rank``."""
     described = describe_sig(sig)
     text = str(exc) + extra
-    if described not in text:
+    if not (own or _names_call(str(exc), described, rank, where)):
         text = f"{described} on group rank {rank} ({where}): {text}"
     elif not extra:
         return exc
@@ -141,6 +147,16 @@ def name_call(exc: CollectiveError, sig: tuple[Any, ...], rank: int, where: str,
         return type(exc)(text)
     except Exception:  # pragma: no cover - a subclass that takes more than a message
         return exc
+
+
+def _names_call(text: str, described: str, rank: int, where: str) -> bool:
+    """Whether ``text`` is this rank's own error about the call ``described`` on group rank
+    ``rank`` (``where``): it starts by naming that call on that rank (a relayed error starts
+    with the rank that relayed it), and names the call's sequence number and group."""
+    return where in text and (
+        text.startswith(f"{described} on group rank {rank} ")
+        or text.startswith(f"ranks called different collectives: group rank {rank} called "
+                           f"{described}, "))
 
 
 def refused(exc: CollectiveError, what: str) -> CollectiveError:
@@ -202,6 +218,9 @@ class Mailbox:
         #: ``MAX_CLOSED_GROUPS``
         self._left: dict[int, _Left] = {}
         self._on_mismatch = on_mismatch
+        #: the collective ``(group, seq)`` in which this mailbox found a mismatch, and its
+        #: error (which names that call already: ``name_call``'s ``own``)
+        self.mismatch: tuple[Scope, CollectiveError] | None = None
         # the event loop receives are posted in, looked up once (asyncio.get_running_loop
         # costs a getpid() system call per call on Python 3.11)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -579,10 +598,13 @@ class Mailbox:
                   scope: Scope) -> None:
         group, seq = scope
         where = "the world" if group == 0 else f"group {group:#x}"
-        self._on_mismatch(CollectiveError(
+        err = CollectiveError(
             f"collective mismatch: world rank {src} called {describe_sig(theirs)} "
             f"but world rank {self.rank} called {describe_sig(mine)} (sequence number "
-            f"{seq} of {where})"), scope)
+            f"{seq} of {where})")
+        if self.mismatch is None:
+            self.mismatch = (scope, err)
+        self._on_mismatch(err, scope)
 
 
 def checked_payload(frame: Frame, sig: tuple[Any, ...] | None) -> Any:
