@@ -286,6 +286,31 @@ def test_a_mismatch_names_the_sequence_number_of_the_device_call(fake: Any) -> N
         assert "(sequence number 2 of the world, counting calls on GPU arrays)" in msg, msg
 
 
+def test_a_device_call_refused_by_a_broken_world_names_itself(fake: Any) -> None:
+    """As on memory, tcp and mpi, a device call started after the world broke says which
+    call was refused ('all_reduce: the communicator is broken: ...'), and says once that
+    the communicator is broken: here the TCP world under NCCL broke first (a host-array
+    mismatch), the next device calls refuse to start."""
+    async def fn(comm: Any) -> list[str]:
+        with pytest.raises(CollectiveError):
+            await comm.all_reduce(np.ones(3 + comm.rank))  # host arrays: the TCP world's
+        texts = []
+        for call in (lambda: comm.all_reduce(dev(fake, np.ones(4))),
+                     lambda: comm.all_reduce(dev(fake, np.ones(4))),
+                     lambda: comm.broadcast(dev(fake, np.ones(4)))):
+            with pytest.raises(CollectiveError) as raised:
+                await call()
+            texts.append(str(raised.value))
+        return texts
+
+    for texts in run_nccl(fn, world_size=2):
+        assert texts[0].startswith("all_reduce: the communicator is broken"), texts
+        assert texts[1].startswith("all_reduce: the communicator is broken"), texts
+        assert texts[2].startswith("broadcast: the communicator is broken"), texts
+        assert all(t.count("the communicator is broken") == 1 for t in texts), texts
+        assert all("collective mismatch" in t for t in texts), texts
+
+
 def test_long_device_collectives_wake_on_a_host_function(fake: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A device collective still running after the spin is woken by a host function queued

@@ -50,7 +50,7 @@ import numpy as np
 
 from .._progress import Turns, poll, signal_from_thread
 from ..collectives import Communicator, _check_array
-from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
+from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError, PeerLostError
 from ..gpu import (
     DelegatingCommunicator,
     check_device_array,
@@ -75,7 +75,7 @@ from ._native import (
     scatter_blocks,
     signature_mismatch,
 )
-from .base import describe_sig
+from .base import describe_sig, refused
 
 T = TypeVar("T")
 log = logging.getLogger("asynccoll.nccl")
@@ -305,17 +305,31 @@ class NcclCommunicator(DelegatingCommunicator):
 
     # -- machinery -----------------------------------------------------------------------
 
-    def _check(self) -> None:
-        """Raise if this communicator (or the TCP world under it) is broken."""
+    def _check(self, what: str = "") -> None:
+        """Raise if this communicator (or the TCP world under it) is broken: an error whose
+        message starts with ``what``, the call refused (``base.refused``), when given."""
         if self._closed:
             raise CommunicatorClosedError("the communicator was closed")
-        if self._broken is not None:
-            raise CollectiveError(f"the communicator is broken: {self._broken}")
+        try:
+            self._check_broken()
+        except CollectiveError as exc:
+            raise refused(exc, what) from exc.__cause__
+
+    def _check_broken(self) -> None:
+        broken = self._broken
+        if broken is not None:
+            message = f"the communicator is broken: {broken}"
+            if isinstance(broken, PeerLostError):  # (the class stays, as on every backend)
+                raise PeerLostError(message, rank=broken.rank) from broken
+            raise CollectiveError(message) from broken
         try:
             self._inner.transport.check_usable()
             self._comm.check_async_error()
         except CollectiveError as exc:
-            self._break(exc, notify=False)
+            # the TCP world's own error is kept (not 'the communicator is broken by an
+            # earlier error: ...', which the next call would say twice)
+            cause = exc.__cause__
+            self._break(cause if isinstance(cause, CollectiveError) else exc, notify=False)
             raise
         except self._nccl.NcclError as exc:
             err = CollectiveError(f"NCCL failed on group rank {self.rank}: {exc}")
@@ -353,7 +367,7 @@ class NcclCommunicator(DelegatingCommunicator):
         ``enqueue(metas)`` enqueues the NCCL work on our stream and returns the result (the
         list of every rank's ``[digest, description, meta]`` when exchanged, else None).
         """
-        self._check()
+        self._check(str(sig[0]))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         ticket = self._tickets
@@ -508,7 +522,7 @@ class NcclCommunicator(DelegatingCommunicator):
         a = self._check_device(array)
         root = self._check_rank(root, "root")
         if self.world_size == 1:
-            self._check()
+            self._check("broadcast")
             return a
 
         def enqueue(metas: list[Any] | None) -> Any:
@@ -527,7 +541,7 @@ class NcclCommunicator(DelegatingCommunicator):
         root = self._check_rank(root, "root")
         rop = check_op(op, a.dtype)
         if self.world_size == 1:
-            self._check()
+            self._check("reduce")
             return a
         await self._device_collective(("reduce", dtype_code(a.dtype), a.shape, rop.value, root),
                                       self._reducer(a, rop, root))
@@ -540,7 +554,7 @@ class NcclCommunicator(DelegatingCommunicator):
         a = self._check_device(array)
         rop = check_op(op, a.dtype)
         if self.world_size == 1:
-            self._check()
+            self._check("all_reduce")
             return a
         await self._device_collective(("all_reduce", dtype_code(a.dtype), a.shape, rop.value),
                                       self._reducer(a, rop, None))
@@ -559,7 +573,7 @@ class NcclCommunicator(DelegatingCommunicator):
         with cupy.cuda.Device(self.device):
             out = cupy.empty((rows[me], *a.shape[1:]), a.dtype)
         if w == 1:
-            self._check()
+            self._check("reduce_scatter")
             out[...] = a
             return out
         plan = _plan(a.dtype, rop)
@@ -624,7 +638,7 @@ class NcclCommunicator(DelegatingCommunicator):
         cupy, w, me = self._cupy, self.world_size, self.rank
         row = a.size // a.shape[0] if a.shape[0] else int(np.prod(a.shape[1:], dtype=np.int64))
         if w == 1:
-            self._check()
+            self._check("all_gather")
             return gather_alone(a, out)
 
         def enqueue(metas: list[Any] | None) -> Any:
@@ -692,7 +706,7 @@ class NcclCommunicator(DelegatingCommunicator):
         root = self._check_rank(root, "root")
         cupy, w, me = self._cupy, self.world_size, self.rank
         if w == 1:
-            self._check()
+            self._check("gather")
             return [a.copy()]
 
         def enqueue(metas: list[Any] | None) -> Any:
@@ -721,7 +735,7 @@ class NcclCommunicator(DelegatingCommunicator):
             items = check_arrays(arrays, w, "scatter on root", self._check_item)
             heads = [_head(x) for x in items]
         if w == 1:
-            self._check()
+            self._check("scatter")
             return items[0].copy()
 
         def enqueue(metas: list[Any] | None) -> tuple[Any, bool, Any]:
@@ -751,7 +765,7 @@ class NcclCommunicator(DelegatingCommunicator):
         items = check_arrays(arrays, w, "all_to_all", self._check_item)
         heads = [_head(x) for x in items]
         if w == 1:
-            self._check()
+            self._check("all_to_all")
             return [items[0].copy()]
 
         def enqueue(metas: list[Any] | None) -> tuple[list[Any], list[bool], Any]:
