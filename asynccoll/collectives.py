@@ -423,7 +423,8 @@ class Communicator:
         """Algorithm thresholds (``Tuning``); equal on all ranks. Settable: anything but a
         ``Tuning`` is a ``TypeError`` at once, not in the next call. It returns the tuning
         as set; the collectives run it with the frame sizes above the transport's
-        ``max_payload`` lowered to it (``asynccoll.tuning.fit_frames``, done here once)."""
+        ``max_payload`` lowered to it (``asynccoll.tuning.fit_frames``, done here once:
+        ``effective_tuning``)."""
         return self._tuning_set
 
     @tuning.setter
@@ -437,6 +438,15 @@ class Communicator:
         # algorithm), kept per kind of call (``_plan``): small collectives repeat the same
         # call, and working it out is a good part of their cost. It depends on the tuning
         self._plans: dict[tuple[Any, ...], tuple[tuple[Any, ...], str]] = {}
+
+    @property
+    def effective_tuning(self) -> Tuning:
+        """The tuning the collectives run (read-only): ``tuning`` with its frame sizes above
+        the transport's ``max_payload`` lowered to it (``asynccoll.tuning.fit_frames``), which
+        decides their algorithms (a larger array takes the ring, not recursive doubling);
+        ``tuning`` itself where every frame size fits, as with the default ``max_payload``.
+        What code that predicts a collective's algorithm, or its bytes, must read."""
+        return self._tuning
 
     @property
     def transport(self) -> Transport:

@@ -124,6 +124,10 @@ class DelegatingCommunicator(Communicator):
     def tuning(self, value: Tuning) -> None:
         self._inner.tuning = value
 
+    @property
+    def effective_tuning(self) -> Tuning:
+        return self._inner.effective_tuning
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.backend} rank {self.rank}/{self.world_size}>"
 

@@ -32,6 +32,7 @@ from asynccoll.parallel.compression import (
     bf16_encode,
     make_compression,
 )
+from asynccoll.tuning import DIRECT, RING
 
 BACKENDS = ["memory", "tcp"]
 WORLD_SIZES = [2, 3]
@@ -580,3 +581,64 @@ def test_bf16_encoding_rounds_to_nearest_even():
     assert_array_equal(bf16_decode(ours), torch.from_numpy(x).to(torch.bfloat16).float().numpy())
     nan = bf16_encode(np.array([np.nan, -np.nan], np.float32))
     assert np.isnan(bf16_decode(nan)).all()
+
+
+#: (backend, options, elements): buckets whose all_reduce runs another algorithm than the
+#: tuning as set predicts. max_payload 4 KiB: the communicator lowers small_bytes to it, so
+#: a 16 KiB bucket takes the ring, not recursive doubling (3 ranks: they send different
+#: bytes); memory lends, so above small_bytes the default tuning runs the direct all_reduce,
+#: whose bytes per rank differ from the ring's where the blocks are uneven
+_PREDICTIONS = [
+    ("tcp", {"max_payload": 4096}, 4096),
+    ("tcp", {"max_payload": 4096}, 1000),
+    ("memory", {}, (1 << 15) + 2),
+    ("tcp", {}, (1 << 15) + 2),
+    ("memory", {"tuning": DIRECT}, 1001),
+    ("tcp", {"tuning": DIRECT}, 1001),
+    ("memory", {"tuning": RING}, 1001),
+]
+
+
+@pytest.mark.parametrize(("backend", "options", "n"), _PREDICTIONS,
+                         ids=["tcp-max_payload-ring", "tcp-max_payload-doubling",
+                              "memory-direct", "tcp-ring", "memory-DIRECT", "tcp-DIRECT",
+                              "memory-RING"])
+async def test_bytes_counted_are_the_transports_whatever_algorithm_runs(
+        run: Any, backend: str, options: dict[str, Any], n: int) -> None:
+    """The all_reduce hooks count what the transport counts, exactly, on every rank: they
+    predict the algorithm from the tuning the communicator runs (comm.effective_tuning, fitted
+    to max_payload) and the arguments it passes (whether the transport lends), not from the
+    tuning as set."""
+    factories: dict[str, Callable[[], Compression]] = {
+        "none": NoCompression, "fp16": lambda: Cast("float16")}
+
+    async def fn(comm: Communicator) -> dict[str, tuple[int, int]]:
+        counted = {}
+        for name, factory in factories.items():
+            hook = factory()
+            g = grad_of(comm.rank, n, "float32")
+            before = comm.transport.bytes_sent
+            await hook.all_reduce_mean(comm, g, key=name)
+            counted[name] = (comm.transport.bytes_sent - before, hook.bytes_sent)
+        return counted
+
+    for rank, counted in enumerate(await run(fn, 3, backend, **options)):
+        for name, (wire, own) in counted.items():
+            assert own == wire, (rank, name, own, wire)
+
+
+async def test_the_effective_tuning_is_what_the_collectives_run(run: Any) -> None:
+    """comm.effective_tuning: the tuning as set with its frame sizes lowered to max_payload
+    (read-only); the tuning itself where every frame fits."""
+    from asynccoll.tuning import Tuning, fit_frames
+
+    async def fn(comm: Communicator) -> tuple[Tuning, Tuning]:
+        with pytest.raises(AttributeError):
+            comm.effective_tuning = Tuning()  # type: ignore[misc]
+        return comm.tuning, comm.effective_tuning
+
+    for tuning, effective in await run(fn, 2, "tcp", max_payload=4096):
+        assert effective == fit_frames(tuning, 4096) != tuning
+        assert effective.small_bytes == 4096
+    for tuning, effective in await run(fn, 2, "memory"):
+        assert effective is tuning

@@ -16,9 +16,11 @@ checkpoints. Non-finite values (an overflowed step under loss scaling) propagate
 as they would uncompressed, and are never stored in a residual.
 
 What a rank puts on the wire per element of a bucket of ``n`` elements, with ``W`` ranks
-(``itemsize`` 4 for float32; all_reduce rows assume the ring that large arrays use, while
-arrays of at most ``Tuning.small_bytes`` go by recursive doubling, about ``log2 W`` copies;
-``hook.bytes_sent`` adds up these payload bytes, matching ``comm.transport.bytes_sent``):
+(``itemsize`` 4 for float32; all_reduce rows assume the ring that large arrays use, or the
+direct all_reduce, which sends as many bytes in all, while arrays of at most the
+communicator's ``effective_tuning.small_bytes`` go by recursive doubling, about ``log2 W``
+copies; ``hook.bytes_sent`` adds up the payload bytes of the algorithm that ran, matching
+``comm.transport.bytes_sent``):
 
 ============================  ============================  ====================  ==============
 method                        collective                    bytes / element       W=2, float32
@@ -67,21 +69,32 @@ _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 def _all_reduce_wire_bytes(comm: Communicator, n: int, itemsize: int) -> int:
     """Payload bytes this rank sends in ``comm.all_reduce`` of ``n`` elements.
 
+    The algorithm is the one ``Communicator.all_reduce`` picks: from the tuning it runs
+    (``effective_tuning``: with a small ``max_payload``, larger arrays than the tuning as set
+    says take the ring), with the same arguments (whether the transport lends payloads).
     Ring (large arrays): the reduce-scatter half forwards every block but this rank's own,
-    the all-gather half every block but the right neighbour's. Recursive doubling (small
-    arrays): one full array per round, plus the fold-in/fold-out of non-power-of-two sizes.
+    the all-gather half every block but the right neighbour's. Direct (large arrays where
+    the transport lends, or ``Tuning.direct_all_reduce="always"``): every block but its own
+    to the rank that owns it, then its own reduced block to every other rank. Recursive
+    doubling (small arrays): one full array per round, plus the fold-in/fold-out of
+    non-power-of-two sizes.
     """
     w, r = comm.world_size, comm.rank
     if w == 1:
         return 0
     nbytes = n * itemsize
-    if comm.tuning.all_reduce(nbytes, w) == "recursive_doubling":
+    # (MPI's world has no ``lends``: its all_reduce is MPI's, and counted as handed over)
+    lends = bool(getattr(comm.transport, "lends", False))
+    algo = comm.effective_tuning.all_reduce(nbytes, w, lends=lends)
+    if algo == "recursive_doubling":
         p, folded, rounds = power_of_two_fold(w)
         if r >= p:
             return nbytes
         return nbytes * (rounds + (1 if r < folded else 0))
     base, longer = divmod(n, w)  # blocks as numpy.array_split cuts them
     sizes = [base + (1 if j < longer else 0) for j in range(w)]
+    if algo == "direct":
+        return (n - sizes[r] + (w - 1) * sizes[r]) * itemsize
     return (2 * n - sizes[r] - sizes[(r + 1) % w]) * itemsize
 
 
