@@ -18,6 +18,8 @@ from test_launcher import REPO, Proc, clean_env, free_fixed_port, launcher
 reaper = test_launcher.reaper   # the fixture: every process started is killed at teardown
 
 EXAMPLE = str(REPO / "examples" / "elastic.py")
+#: elastic training that ends only once the test creates the file GATE names
+GATED = str(REPO / "tests" / "helpers" / "elastic_gated.py")
 PID = re.compile(r"^\[(\d+)\] PID (\d+)$")
 
 
@@ -124,20 +126,27 @@ def test_workers_that_left_do_not_count_as_finished(reaper: Callable[..., Proc])
 
 
 @pytest.mark.timeout(120)
-def test_launcher_restarts_a_failed_worker(reaper: Callable[..., Proc]) -> None:
+def test_launcher_restarts_a_failed_worker(reaper: Callable[..., Proc], tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed mid-training; the launcher starts a replacement ([3]), which
+    joins the two survivors, and the three train to the end with the same parameters. The
+    training ends only once the test opens its gate (GATE), after the replacement joined: with
+    a fixed number of steps, the survivors could finish before a replacement slow to start
+    (a loaded machine) had joined."""
+    gate = tmp_path / "gate"
     job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "3", "--max-restarts",
-                          "1", EXAMPLE, "--steps", "300", "--step-delay", "0.01",
-                          "--settle", "0.3"))
-    assert job.wait_for(has(r"STEP 50 "), 60), job.output
+                          "1", GATED, "60"), clean_env(GATE=str(gate)))
+    assert job.wait_for(has(r"STEP 50$"), 60), job.output
     victim = next(int(m.group(2)) for line in job.lines if (m := PID.match(line))
                   and m.group(1) == "1")
     os.kill(victim, signal.SIGKILL)
-    assert job.finish(90) == 0, job.output
+    assert job.wait_for(has(r"^\[3\] WORLD gen=\d+ size=3"), 60), job.output  # it joined
+    gate.touch()
+    assert job.finish(60) == 0, job.output
     out = job.output
-    assert "starting a replacement as [3]" in out, out
-    assert re.search(r"\[3\] WORLD gen=\d+ size=3", out), out      # the replacement joined
-    got = finals(out)
-    assert len(got) == 3 and len({d for _, _, d in got}) == 1, out
+    assert "rank 1 exited with code -9; starting a replacement as [3]" in out, out
+    got = re.findall(r"^\[(\d+)\] FINAL steps=(\d+) size=3 rank=\d+ digest=(\w+)$", out, re.M)
+    assert sorted(int(label) for label, _, _ in got) == [0, 2, 3], out
+    assert len({(s, d) for _, s, d in got}) == 1, got
 
 
 @pytest.mark.timeout(120)
