@@ -58,6 +58,68 @@ MPI_INCOMPATIBLE = {
 }
 
 
+#: The event loops an async test can run on, by the name its id shows.
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+try:
+    import uvloop
+except ImportError:  # uvloop comes with asynccoll on Linux only
+    pass
+else:
+    LOOPS["uvloop"] = uvloop.new_event_loop
+
+#: Modules whose async tests run on both loops by default, each case as ``[asyncio]`` and
+#: ``[uvloop]``: the TCP backend's core and the rendezvous, a representative subset (about
+#: 190 tests, ~45 s more on 2 cores); ``--event-loop=uvloop`` runs every async test on uvloop.
+BOTH_LOOPS_MODULES = {"test_tcp.py", "test_tcp_pairs.py", "test_tcp_edges.py",
+                      "test_peer_loss.py", "test_closing.py", "test_concurrency_stress.py",
+                      "test_rendezvous.py", "test_uvloop.py"}
+
+#: Async tests that run on asyncio's loop only, whatever ``--event-loop`` says: they rely on
+#: what asyncio's loop does and uvloop's does not, not on asynccoll's behaviour.
+ASYNCIO_ONLY = {
+    "test_connect_retries_a_host_with_several_addresses":
+        "it patches loop.getaddrinfo, which uvloop's create_connection does not call",
+    "test_ring_reduce_scatter_reads_its_blocks_directly":
+        "with every rank in one loop, only asyncio's runs a coroutine woken by sleep(0) "
+        "before the loop reads the socket (uvloop reads first, so the frames go the usual "
+        "way: correct, not direct); tests/test_uvloop.py checks direct reads across processes",
+    "test_a_dropped_subgroup_keeps_no_world_alive":
+        "it counts the timers in asyncio's loop._scheduled, which uvloop's loop has not",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--event-loop", choices=["asyncio", "uvloop", "both"], default=None,
+        help="the event loop of every async test: asyncio's, uvloop's, or both (default: "
+             "both for the modules of BOTH_LOOPS_MODULES and tests marked both_loops, "
+             "asyncio's for the others)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "both_loops: run this async test on asyncio's event loop and on uvloop's "
+                   "(each its own case, [asyncio] and [uvloop])")
+    if config.getoption("--event-loop") in ("uvloop", "both") and "uvloop" not in LOOPS:
+        raise pytest.UsageError("--event-loop: uvloop is not installed")
+
+
+def pytest_asyncio_loop_factories(
+        config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """The loops an async test runs on (pytest-asyncio parametrizes it over them): see
+    ``--event-loop``, ``BOTH_LOOPS_MODULES``, ``ASYNCIO_ONLY`` and the ``both_loops`` marker."""
+    chosen = config.getoption("--event-loop")
+    if getattr(item, "originalname", item.name) in ASYNCIO_ONLY:
+        chosen = "asyncio"
+    elif chosen is None:
+        both = (item.path.name in BOTH_LOOPS_MODULES
+                or item.get_closest_marker("both_loops") is not None)
+        chosen = "both" if both and "uvloop" in LOOPS else "asyncio"
+    if chosen == "both":
+        return dict(LOOPS)
+    return {chosen: LOOPS[chosen]}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under MPI: skip the mpi cases whose world size is not the job's, the tuning presets
     other than the default (they choose asynccoll's algorithms; MPI picks its own, so each
