@@ -25,8 +25,10 @@ from collections.abc import Callable
 
 #: seconds a wait spins on ``asyncio.sleep(0)`` before it starts sleeping between tests
 SPIN_SECONDS = 2e-4
-#: seconds between tests once spinning is over (asyncio timers have ~1 ms resolution anyway)
-POLL_SLEEP = 5e-4
+#: seconds between tests once spinning is over: a millisecond, the timers' resolution
+#: (asyncio's sleeps at least that long in epoll; uvloop rounds delays to whole milliseconds
+#: and runs one that rounds to 0, as 0.5 ms did, at once: the wait then spun on the core)
+POLL_SLEEP = 1e-3
 #: seconds between failure checks while ``poll`` awaits a signal
 CHECK_EVERY = 0.01
 

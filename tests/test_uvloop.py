@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import asynccoll
+from asynccoll import _progress
 
 HELPERS = Path(__file__).parent / "helpers"
 REPO = Path(__file__).parent.parent
@@ -47,6 +48,25 @@ async def test_a_tcp_world_on_this_loop() -> None:
 
     results = await asynccoll.run_local(fn, 3, backend="tcp", timeout=10)
     assert results == [[6.0, 6.0, 0.0, 1.0, 2.0]] * 3
+
+
+async def test_a_long_poll_sleeps_between_tests() -> None:
+    """``_progress.poll`` (the MPI and NCCL backends' waits) sleeps ``POLL_SLEEP`` between
+    tests once its spin is over. uvloop rounds a timer's delay to whole milliseconds and runs
+    one that rounds to 0 at once: a sleep of less than half a millisecond there does not
+    sleep, and the wait spun on the core (thousands of tests in 50 ms, not ~50)."""
+    loop = asyncio.get_running_loop()
+    calls = 0
+    ends = loop.time() + 0.05
+
+    def done() -> bool:
+        nonlocal calls
+        calls += 1
+        return loop.time() > ends
+
+    await _progress.poll(done, deadline=loop.time() + 10, check=lambda: None,
+                         on_timeout=lambda: TimeoutError("poll"), spin=0)
+    assert calls < 0.05 / 1e-3 + 50, calls
 
 
 def _launch(loops: str, ranks: int) -> subprocess.CompletedProcess[str]:
