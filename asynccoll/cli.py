@@ -249,7 +249,9 @@ def _failure_text(failed: dict[str, Any]) -> str:
     """What another node's launcher said went wrong (its record under ``launch/failed``)."""
     if failed["rank"] is None:
         return f"the launcher of node {failed['node']} was interrupted"
-    return f"rank {failed['rank']} (node {failed['node']}) exited with code {failed['code']}"
+    why = f" (its error came from rank {failed['from']})" if "from" in failed else ""
+    return (f"rank {failed['rank']} (node {failed['node']}) exited with code "
+            f"{failed['code']}{why}")
 
 
 class _Launcher:
@@ -304,6 +306,10 @@ class _Launcher:
         self.bind = bind
         self.procs: list[asyncio.subprocess.Process] = []
         self.first_failure: tuple[int, int] | None = None
+        #: the job's failure is a victim's (a rank that failed because of another, blamed
+        #: when no culprit came in time, here or on another node): a culprit whose own
+        #: failure shows later takes its place, on every node
+        self.relayed = False
         #: where each rank leaves its record at exit (ASYNCCOLL_ERROR_FILE): the folder
         self.records: str | None = None
         #: the ranks whose failure came from another rank, in the order they exited:
@@ -493,12 +499,13 @@ class _Launcher:
             else:
                 self._say(f"asynccoll run: rank {rank} exited with code {code}; "
                           f"the others go on\n")
-        elif code != 0 and self.first_failure is None and not self.stopping:
+        elif code != 0 and ((self.first_failure is None and not self.stopping)
+                            or (self.relayed and not self._stopped_by_us(code))):
             record = (_exit_record.read(self._record_path(rank))
                       if self.records is not None else None)
             if record is None:  # its own failure (or killed: it could write nothing)
                 await self._fail(rank, code)
-            else:
+            elif self.first_failure is None:
                 self.victims.append((rank, code, record["peer"]))
                 if self.blaming is None:
                     self.blaming = asyncio.ensure_future(self._blame_later())
@@ -508,13 +515,17 @@ class _Launcher:
     async def _fail(self, rank: int, code: int, came_from: int | None = None) -> None:
         """The job failed with rank ``rank``'s exit ``code``: say so, stop the other ranks
         and tell the other nodes. ``came_from``: the rank its failure came from, when no
-        rank was seen failing on its own."""
-        self.first_failure = (rank, code)
+        rank was seen failing on its own (a culprit's failure seen later replaces it)."""
+        self.first_failure, self.relayed = (rank, code), came_from is not None
         log.info("rank %d exited with %s; stopping the other ranks", rank, code)
         why = f" (its error came from rank {came_from})" if came_from is not None else ""
         self._say(f"asynccoll run: rank {rank} exited with code {code}{why}; "
                   f"stopping the others\n")
-        await asyncio.gather(self.stop(), self._tell_nodes(rank, code))
+        await asyncio.gather(self.stop(), self._tell_nodes(rank, code, came_from))
+
+    def _stopped_by_us(self, code: int) -> bool:
+        """Whether a rank's exit ``code`` is that of the signals ``stop`` sends."""
+        return self.stopping and code in (-signal.SIGTERM, -signal.SIGKILL)
 
     async def _blame_later(self) -> None:
         """A rank failed because another did: wait up to BLAME_SECONDS for the rank whose
@@ -536,14 +547,24 @@ class _Launcher:
 
     # -- several nodes ----------------------------------------------------------------------
 
-    async def _tell_nodes(self, rank: int | None, code: int) -> None:
+    async def _tell_nodes(self, rank: int | None, code: int,
+                          came_from: int | None = None) -> None:
         """Several nodes: tell the other launchers that ``rank`` of this node failed with
-        ``code`` (None: the launcher was interrupted), unless a failure is known already."""
+        ``code`` (None: the launcher was interrupted), unless a failure is known already.
+        ``came_from``: the rank its failure came from (a victim blamed when no culprit
+        came in time). A failure of a rank's own replaces a victim's record, so that every
+        node blames the same rank (see ``_final_blame``)."""
         if self.client is None:
             return
-        record = json.dumps({"node": self.node_rank, "rank": rank, "code": code})
+        mine = {"node": self.node_rank, "rank": rank, "code": code}
+        if came_from is not None:
+            mine["from"] = came_from
+        record, key = json.dumps(mine), f"{NODES_PREFIX}/failed"
         try:
-            await self._ask(self.client.compare_set(f"{NODES_PREFIX}/failed", None, record))
+            swapped, there = await self._ask(self.client.compare_set(key, None, record))
+            if (not swapped and there is not None and rank is not None and came_from is None
+                    and json.loads(there).get("from") is not None):
+                await self._ask(self.client.compare_set(key, there, record))
         except Exception as exc:  # node 0's launcher is gone: its ranks go with it
             log.warning("could not tell the other nodes that rank %s failed: %s", rank, exc)
 
@@ -578,6 +599,7 @@ class _Launcher:
             if self.first_failure is None and not self.stopping and not self.interrupted:
                 self.first_failure = (-1 if failed["rank"] is None else int(failed["rank"]),
                                       code)
+                self.relayed = failed.get("from") is not None
                 self._say(f"asynccoll run: {_failure_text(failed)}; stopping this node's "
                           f"ranks\n")
                 await self.stop()
@@ -713,10 +735,14 @@ class _Launcher:
             if self.elastic is not None:
                 await self._ask(c.add(f"{NODES_PREFIX}/succeeded", self.succeeded))
                 await self._ask(c.add(f"{NODES_PREFIX}/left", self.left))
+            asking = self.relayed and self.node_rank != 0
+            if asking:  # (node 0 answers once every node's ranks ended: see _final_blame)
+                await self._ask(c.add(f"{NODES_PREFIX}/asking", 1))
             await self._ask(c.set(f"{NODES_PREFIX}/done/{self.node_rank}", b"1"))
             if self.node_rank == 0:
                 ended = await self._wait_for_nodes()
                 if self.elastic is None:
+                    await self._final_blame()
                     return None
                 totals = (int(await c.get(f"{NODES_PREFIX}/succeeded", wait=False)),
                           int(await c.get(f"{NODES_PREFIX}/left", wait=False)))
@@ -728,6 +754,8 @@ class _Launcher:
                     await asyncio.sleep(NODES_POLL_SECONDS / 4)
                 return totals
             if self.elastic is None:
+                if asking:
+                    await self._final_blame()
                 return None
             loop = asyncio.get_running_loop()
             began, said = loop.time(), False
@@ -749,6 +777,41 @@ class _Launcher:
             if not self.stopped_for_lost:  # (said already: see _watch_nodes)
                 self._say(f"asynccoll run: lost the rendezvous of node 0 ({exc})\n")
             return None
+
+    async def _final_blame(self) -> None:
+        """Several nodes, not elastic, once this node's ranks ended: whom the job's failure
+        is finally blamed on. A launcher that blamed a victim (a rank whose failure came
+        from another, when no culprit came in time) may hear of the culprit later: a
+        culprit's record replaces a victim's in the store (``_tell_nodes``), once the
+        culprit's node sees its exit. Every node's ranks have ended when node 0 reads it
+        here; node 0 then tells the nodes that asked (``asking``) and waits for them to read
+        it (up to NODES_ACK_SECONDS) before it closes the rendezvous."""
+        c = self.client
+        if self.node_rank == 0:
+            if self.relayed:
+                self._adopt(await self._ask(c.get(f"{NODES_PREFIX}/failed", wait=False)))
+            await self._ask(c.set(f"{NODES_PREFIX}/ended", b"1"))
+            asking = int(await self._ask(c.add(f"{NODES_PREFIX}/asking", 0)))
+            for _ in range(int(NODES_ACK_SECONDS / (NODES_POLL_SECONDS / 4))):
+                if not asking or await self._ask(c.add(f"{NODES_PREFIX}/read", 0)) >= asking:
+                    break
+                await asyncio.sleep(NODES_POLL_SECONDS / 4)
+            return
+        # (node 0 sets 'ended' once every node's ranks ended, or it gave up on them)
+        await self._ask(c.get(f"{NODES_PREFIX}/ended", timeout=NODES_CALL_SECONDS / 2))
+        self._adopt(await self._ask(c.get(f"{NODES_PREFIX}/failed", wait=False)))
+        await self._ask(c.add(f"{NODES_PREFIX}/read", 1))
+
+    def _adopt(self, value: bytes) -> None:
+        """Blame the culprit of the record ``value`` of ``launch/failed`` instead of the
+        victim this launcher blamed (``relayed``), when it is another node's culprit."""
+        failed = json.loads(value)
+        if (not self.relayed or failed["node"] == self.node_rank or failed["rank"] is None
+                or failed.get("from") is not None):
+            return
+        self.first_failure, self.relayed = (int(failed["rank"]), int(failed["code"])), False
+        self._say(f"asynccoll run: {_failure_text(failed)}, a failure of its own: the "
+                  f"rank blamed above failed because of it\n")
 
     async def _wait_for_nodes(self) -> int:
         """Node 0: keep the rendezvous up until every other node's ranks ended, not waiting

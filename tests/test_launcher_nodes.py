@@ -303,6 +303,43 @@ def test_the_culprit_on_another_node_is_blamed_not_a_victim(
     assert_all_gone(first.child_pids() + second.child_pids())
 
 
+def test_a_culprit_known_after_a_victim_was_blamed_is_blamed_on_every_node(
+        reaper: Callable[..., Proc]) -> None:
+    """Rank 3 (node 1) fails in its own code and exits with code 7 after a slow clean-up;
+    ranks 0 and 1 (node 0) fail because of it at once. Node 1's launcher is stopped (SIGSTOP:
+    a slow or busy machine) until rank 3 exited, so node 0 waits for word of the culprit in
+    vain and publishes its victim as the job's failure. Once node 1 sees rank 3's own
+    failure, its record replaced the victim's: node 0 exited with the victim's code naming
+    rank 0 or 1, and node 1 with 7 naming rank 3 (or with 1, if it read node 0's record
+    first). Both now name rank 3 and exit with its code."""
+    port = free_fixed_port()
+    env = clean_env(ASYNCCOLL_TOKEN="two-node-secret")
+    first, second = (reaper(launcher("-n", "2", "--nnodes", "2", "--node-rank", str(k),
+                                     "--port", str(port), str(HELPERS / "blame.py"), "slow",
+                                     "3"), env) for k in (0, 1))
+    for proc in (first, second):
+        assert proc.wait_for(lambda lines: sum(line.endswith("] READY") for line in lines)
+                             == 2, 45), proc.output
+    culprit = pid_of(second, 3)
+    second.popen.send_signal(signal.SIGSTOP)
+    try:
+        blamed = re.compile(r"^asynccoll run: rank [01] exited with code 1 \(its error came "
+                            r"from rank 3\); stopping the others$")
+        assert first.wait_for(lambda lines: any(blamed.match(line) for line in lines), 30), \
+            first.output
+        assert_all_gone([culprit], grace=15)   # (its exit, which node 1 has not seen yet)
+    finally:
+        second.popen.send_signal(signal.SIGCONT)
+    assert second.finish(30) == 7, second.output
+    assert first.finish(30) == 7, first.output
+    assert "rank 3 exited with code 7" in second.output, second.output
+    assert "rank 3 (node 1) exited with code 7" in first.output, first.output
+    said = [line for proc in (first, second) for line in proc.lines
+            if line.startswith("asynccoll run:")]
+    assert not [line for line in said if "rank 3" not in line], said
+    assert_all_gone(first.child_pids() + second.child_pids())
+
+
 def test_a_node_waiting_for_node_0_says_what_it_waits_for(reaper: Callable[..., Proc]) -> None:
     """Node 1's launcher pointed at an address where nothing listens (a wrong --addr, or
     node 0 not started yet) retried for 120 s without a word. It says at once what it
