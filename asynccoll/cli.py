@@ -1074,7 +1074,23 @@ class _Launcher:
         return 0
 
 
+def _environment_problem(command: str) -> str | None:
+    """A variable the launcher's rendezvous (or every rank) would refuse, as one line: say it
+    before anything starts, not as a traceback (or N of them)."""
+    from .handshake import handshake_timeout
+
+    try:
+        handshake_timeout()
+    except ValueError as exc:
+        return f"asynccoll {command}: {exc}"
+    return None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    problem = _environment_problem("run")
+    if problem:
+        sys.stderr.write(problem + "\n")
+        return 2
     if args.n < 1:
         sys.stderr.write("asynccoll run: -n must be >= 1\n")
         return 2
@@ -1150,7 +1166,10 @@ async def _serve_announced(host: str, port: int, token: str | None) -> None:
 
 
 def _cmd_rendezvous(args: argparse.Namespace) -> int:
-
+    problem = _environment_problem("rendezvous")
+    if problem:
+        sys.stderr.write(problem + "\n")
+        return 2
     if not 0 <= args.port <= 65535:  # the kernel would take it modulo 65536
         sys.stderr.write(f"asynccoll rendezvous: --port must be 0-65535, got {args.port}\n")
         return 2
@@ -1234,7 +1253,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...]")
     run.set_defaults(func=_cmd_run)
 
-    rdv = sub.add_parser("rendezvous", help="run a standalone rendezvous server")
+    rdv = sub.add_parser(
+        "rendezvous", help="run a standalone rendezvous server",
+        description="A standalone rendezvous server: ranks reach it with "
+                    "ASYNCCOLL_RENDEZVOUS=HOST:PORT. One server can serve several jobs, one "
+                    "after another or at once: give each job's ranks its own ASYNCCOLL_JOB_ID "
+                    "(or init(job=...)); a job's keys and roster go when its last connection "
+                    "closes. ASYNCCOLL_HANDSHAKE_TIMEOUT (seconds, default 5) bounds how long "
+                    "a connection may take to authenticate.")
     rdv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     rdv.add_argument("--port", type=int, default=29500, help="port (default 29500)")
     rdv.add_argument("--token", default=None,

@@ -851,6 +851,25 @@ def test_bad_command_line_values_are_one_line_errors(args: list[str], message: s
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+@pytest.mark.parametrize("command", [["rendezvous", "--port", "0"],
+                                     ["run", "-n", "1", "x.py"]])
+@pytest.mark.parametrize("value", ["abc", "0", "inf"])
+def test_a_bad_handshake_timeout_variable_is_a_one_line_error(command: list[str],
+                                                              value: str) -> None:
+    """ASYNCCOLL_HANDSHAKE_TIMEOUT that is no number of seconds: one line naming it and
+    exit 2 before anything starts (it was a traceback and exit 1, from the launcher's
+    rendezvous or from the standalone server)."""
+    env = clean_env()
+    env["ASYNCCOLL_HANDSHAKE_TIMEOUT"] = value
+    res = subprocess.run([sys.executable, "-m", "asynccoll", *command], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith(f"asynccoll {command[0]}: ASYNCCOLL_HANDSHAKE_TIMEOUT="), \
+        res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
 def test_standalone_rendezvous_port_in_use() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
