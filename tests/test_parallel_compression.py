@@ -179,6 +179,22 @@ async def test_powersgd_recovers_low_rank_and_warms_up_exactly(run, backend):
 
 # --------------------------------------------------------------------- bytes on the wire
 
+def count_bytes(factories: dict[str, Callable[[], Compression]], n: int
+                ) -> Callable[[Communicator], Any]:
+    """A rank function: for each hook, one all_reduce_mean of an ``n``-element float32
+    gradient; returns name -> (bytes the transport counted, bytes the hook counted)."""
+    async def fn(comm: Communicator) -> dict[str, tuple[int, int]]:
+        counted = {}
+        for name, factory in factories.items():
+            hook = factory()
+            g = grad_of(comm.rank, n, "float32")
+            before = comm.transport.bytes_sent
+            await hook.all_reduce_mean(comm, g, key=name)
+            counted[name] = (comm.transport.bytes_sent - before, hook.bytes_sent)
+        return counted
+    return fn
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 async def test_bytes_on_the_wire(run, world_size):
     """What the tcp transport counted, per rank: the hook's own count agrees, and the ratios
@@ -189,17 +205,7 @@ async def test_bytes_on_the_wire(run, world_size):
         "bf16": lambda: Cast("bfloat16"), "topk": lambda: TopK(ratio=0.01), "int8": Int8,
         "powersgd": lambda: PowerSGD(warmup=0)}
 
-    async def fn(comm: Communicator) -> dict[str, tuple[int, int]]:
-        counted = {}
-        for name, factory in factories.items():
-            hook = factory()
-            g = grad_of(comm.rank, n, "float32")
-            before = comm.transport.bytes_sent
-            await hook.all_reduce_mean(comm, g, key=name)
-            counted[name] = (comm.transport.bytes_sent - before, hook.bytes_sent)
-        return counted
-
-    results = await run(fn, world_size, "tcp")
+    results = await run(count_bytes(factories, n), world_size, "tcp")
     w = world_size
     for counted in results:
         for name, (wire, own) in counted.items():
@@ -612,17 +618,8 @@ async def test_bytes_counted_are_the_transports_whatever_algorithm_runs(
     factories: dict[str, Callable[[], Compression]] = {
         "none": NoCompression, "fp16": lambda: Cast("float16")}
 
-    async def fn(comm: Communicator) -> dict[str, tuple[int, int]]:
-        counted = {}
-        for name, factory in factories.items():
-            hook = factory()
-            g = grad_of(comm.rank, n, "float32")
-            before = comm.transport.bytes_sent
-            await hook.all_reduce_mean(comm, g, key=name)
-            counted[name] = (comm.transport.bytes_sent - before, hook.bytes_sent)
-        return counted
-
-    for rank, counted in enumerate(await run(fn, 3, backend, **options)):
+    for rank, counted in enumerate(await run(count_bytes(factories, n), 3, backend,
+                                             **options)):
         for name, (wire, own) in counted.items():
             assert own == wire, (rank, name, own, wire)
 

@@ -141,6 +141,12 @@ def name_call(exc: CollectiveError, sig: tuple[Any, ...], rank: int, where: str,
         text = f"{described} on group rank {rank} ({where}): {text}"
     elif not extra:
         return exc
+    return _retold(exc, text)
+
+
+def _retold(exc: CollectiveError, text: str) -> CollectiveError:
+    """An error of ``exc``'s class with the message ``text`` (a ``PeerLostError`` keeps its
+    ``rank``); ``exc`` itself for a class built from more than a message."""
     if isinstance(exc, PeerLostError):
         return PeerLostError(text, rank=exc.rank)
     try:
@@ -166,13 +172,7 @@ def refused(exc: CollectiveError, what: str) -> CollectiveError:
     ``PeerLostError`` keeps its ``rank``."""
     if not what or isinstance(exc, CommunicatorClosedError):
         return exc
-    text = f"{what}: {exc}"
-    if isinstance(exc, PeerLostError):
-        return PeerLostError(text, rank=exc.rank)
-    try:
-        return type(exc)(text)
-    except Exception:  # pragma: no cover - a subclass that takes more than a message
-        return exc
+    return _retold(exc, f"{what}: {exc}")
 
 
 class Mailbox:
