@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import re
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -102,6 +103,13 @@ def pytest_configure(config: pytest.Config) -> None:
                    "(each its own case, [asyncio] and [uvloop])")
     if config.getoption("--event-loop") in ("uvloop", "both") and "uvloop" not in LOOPS:
         raise pytest.UsageError("--event-loop: uvloop is not installed")
+    # Ctrl-C as at a terminal, whatever started the suite: a shell starts a background job
+    # (`pytest ... &` in a script, in a subshell) with SIGINT ignored, which the processes the
+    # tests start would inherit, so the tests that press Ctrl-C on them (the launcher, the
+    # rendezvous, the bench) would see it ignored. Python's own handler here; the children,
+    # after exec, get the default, as from a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_asyncio_loop_factories(
