@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from ._aio import uncancelled
 from .collectives import Communicator, check_int, check_timeout
 from .errors import CollectiveError
-from .tuning import Tuning
+from .tuning import Tuning, check_tuning
 
 T = TypeVar("T")
 log = logging.getLogger("asynccoll")
@@ -38,11 +38,6 @@ def _check_options(where: str, options: dict[str, Any], *takers: Callable[..., A
         raise TypeError(f"{where} got unexpected option{'s' if len(unknown) > 1 else ''} "
                         f"{', '.join(map(repr, unknown))}; it takes "
                         f"{', '.join(sorted(known)) or 'none'}")
-
-
-def _check_tuning(tuning: object) -> None:
-    if tuning is not None and not isinstance(tuning, Tuning):
-        raise TypeError(f"tuning must be an asynccoll.Tuning, got {tuning!r}")
 
 
 def _gpu_staging(options: dict[str, Any]) -> bool:
@@ -75,7 +70,7 @@ async def local_world(world_size: int, backend: str = "memory", *, timeout: floa
     if world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     check_timeout(timeout)  # before anything is opened
-    _check_tuning(tuning)
+    check_tuning(tuning)
     gpu_staging = _gpu_staging(options)
     if backend == "memory":
         if options:
@@ -187,7 +182,7 @@ async def init(backend: str = "tcp", *, rank: int | None = None, world_size: int
         and environment as ``"tcp"``). Options: ``device`` (CUDA device id, default the local
         rank), ``check_signatures`` (default ``True``), and the TCP options.
     """
-    _check_tuning(tuning)
+    check_tuning(tuning)
     if backend == "tcp":
         from .transport.tcp_world import tcp_init
 

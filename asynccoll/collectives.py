@@ -46,7 +46,7 @@ from .algorithms import (
 from .errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError, PeerLostError
 from .ops import ReduceOp, check_op, finish
 from .transport.base import Transport, describe_sig, name_call, payload_too_large, refused
-from .tuning import Tuning, fit_frames
+from .tuning import Tuning, check_tuning, fit_frames
 from .wire import FrameKind, array_view, dtype_code, encode_data_head
 
 T = TypeVar("T")
@@ -172,13 +172,13 @@ def _unpack_object(a: np.ndarray, rank: int) -> Any:
 
 # ----------------------------------------------------------------------------- communicator
 
-def check_timeout(timeout: object) -> float:
-    """``timeout`` as seconds: a number >= 0 (``inf``: none)."""
+def check_timeout(timeout: object, name: str = "timeout") -> float:
+    """``timeout`` as seconds: a number >= 0 (``inf``: none); errors name ``name``."""
     if isinstance(timeout, bool) or not isinstance(timeout, int | float | np.integer
                                                     | np.floating):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        raise TypeError(f"{name} must be a number of seconds, got {timeout!r}")
     if not float(timeout) >= 0:  # NaN too
-        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        raise ValueError(f"{name} must be >= 0 seconds, got {timeout!r}")
     return float(timeout)
 
 
@@ -429,8 +429,7 @@ class Communicator:
 
     @tuning.setter
     def tuning(self, value: Tuning) -> None:
-        if not isinstance(value, Tuning):
-            raise TypeError(f"tuning must be an asynccoll.Tuning, got {value!r}")
+        check_tuning(value, default=False)
         self._tuning_set = value
         # (MPI's world is no Transport and has no frame limit)
         self._tuning = fit_frames(value, getattr(self._transport, "max_payload", 1 << 62))

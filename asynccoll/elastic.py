@@ -100,17 +100,6 @@ def _check_nodes(min_nodes: object, max_nodes: object) -> tuple[int, int]:
     return lo, hi
 
 
-def _check_settle(settle: object) -> float:
-    """``settle`` as seconds: a number >= 0 (``math.inf``: close a generation only once it
-    has ``max_nodes`` members), checked as ``Communicator.timeout`` is."""
-    if isinstance(settle, bool) or not isinstance(settle, int | float | np.integer
-                                                  | np.floating):
-        raise TypeError(f"settle must be a number of seconds, got {settle!r}")
-    if not float(settle) >= 0:  # NaN too
-        raise ValueError(f"settle must be >= 0 seconds, got {settle!r}")
-    return float(settle)
-
-
 @dataclass(frozen=True, slots=True)
 class Generation:
     """One formed generation, as this process sees it."""
@@ -143,7 +132,7 @@ class ElasticGroup:
                  timeout: float, token: str | bytes | None, tuning: Tuning | None,
                  job: str, server: Any = None) -> None:
         min_nodes, max_nodes = _check_nodes(min_nodes, max_nodes)
-        settle = _check_settle(settle)
+        settle = check_timeout(settle, "settle")  # (inf: close only with max_nodes)
         self._timeout = check_timeout(timeout)
         self.client = client
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
@@ -224,7 +213,7 @@ class ElasticGroup:
         if not host or not port_s.isdigit() or int(port_s) > 65535:
             raise ValueError(f"{source} must give host:port (port 0-65535), got {rendezvous!r}")
         min_nodes, max_nodes = _check_nodes(min_nodes, max_nodes)
-        settle = _check_settle(settle)
+        settle = check_timeout(settle, "settle")
         timeout = check_timeout(timeout)
         if job is None:
             job = os.environ.get("ASYNCCOLL_JOB_ID") or DEFAULT_JOB

@@ -279,4 +279,12 @@ RING = Tuning(small_bytes=-1, chain_broadcast_bytes=0, segment_bytes=64, chain_s
 DIRECT = Tuning(small_bytes=-1, direct_all_reduce="always", direct_segment_bytes=64,
                 reduce_chunk_bytes=16, offload_bytes=64)
 
-__all__ = ["DIRECT", "RING", "TREE", "Tuning"]
+
+def check_tuning(tuning: object, *, default: bool = True) -> None:
+    """A ``TypeError`` at once for a ``tuning`` that is no ``Tuning`` (a wrong object failed
+    only at the first collective); ``None``, the default tuning, passes where ``default``."""
+    if not (isinstance(tuning, Tuning) or (default and tuning is None)):
+        raise TypeError(f"tuning must be an asynccoll.Tuning, got {tuning!r}")
+
+
+__all__ = ["DIRECT", "RING", "TREE", "Tuning", "check_tuning"]

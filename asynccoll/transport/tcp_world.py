@@ -24,7 +24,7 @@ from ..algorithms import power_of_two_fold
 from ..collectives import Communicator, check_int, check_timeout
 from ..errors import CollectiveError, RendezvousError, RendezvousTimeout
 from ..handshake import handshake_timeout as resolve_handshake_timeout
-from ..tuning import Tuning
+from ..tuning import Tuning, check_tuning
 from ..wire import ABSOLUTE_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
 from .tcp import TcpTransport, _env, check_peer_loss, local_world_size
 
@@ -70,8 +70,7 @@ def check_options(*, tuning: object = None, peer_loss: str = "abort", token: obj
     """A ``TypeError`` naming the argument for a wrong type (``tuning`` not a ``Tuning``,
     ``host_rendezvous`` not a bool, an address not a str), a ``ValueError`` for a
     ``peer_loss`` that is no mode: before anything connects."""
-    if tuning is not None and not isinstance(tuning, Tuning):
-        raise TypeError(f"tuning must be an asynccoll.Tuning, got {tuning!r}")
+    check_tuning(tuning)
     check_peer_loss(peer_loss)
     if token is not None and not isinstance(token, str | bytes):
         raise TypeError(f"token must be str, bytes or None, got {type(token).__name__}")
