@@ -293,12 +293,14 @@ class RendezvousServer:
         self._live.add(session)
         self._job_sessions[job] = self._job_sessions.get(job, 0) + 1
         self._stores.setdefault(job, Store())
+        # one response at a time goes to the socket (see _respond)
+        sending = asyncio.Lock()
         try:
             async with asyncio.TaskGroup() as tg:
                 while (frame := await read_frame(reader, self._max_value_bytes)) is not None:
                     rid, op, args = _parse_request(frame)
-                    await self._dispatch(tg, writer, rid, op, args, bytes(frame.payload),
-                                         session, job)
+                    await self._dispatch(tg, writer, sending, rid, op, args,
+                                         bytes(frame.payload), session, job)
                 raise _Hangup
         except* _Hangup:
             logger.debug("rendezvous: %s disconnected", peer)
@@ -323,9 +325,9 @@ class RendezvousServer:
                                  "and roster are dropped", job)
         return abort
 
-    async def _dispatch(self, tg: asyncio.TaskGroup, writer: asyncio.StreamWriter, rid: int,
-                        op: str, args: dict[str, Any], payload: bytes, session: int,
-                        job: str) -> None:
+    async def _dispatch(self, tg: asyncio.TaskGroup, writer: asyncio.StreamWriter,
+                        sending: asyncio.Lock, rid: int, op: str, args: dict[str, Any],
+                        payload: bytes, session: int, job: str) -> None:
         handler = self._handlers.get(op)
         try:
             if handler is None:
@@ -334,24 +336,33 @@ class RendezvousServer:
             self._job = job
             result = handler(args, payload)
         except _OpError as exc:
-            await self._respond(writer, _error_response(rid, exc))
+            await self._respond(writer, sending, _error_response(rid, exc))
             return
         if callable(result):
-            tg.create_task(self._finish_later(writer, rid, result))
+            tg.create_task(self._finish_later(writer, sending, rid, result))
         else:
-            await self._respond(writer, _ok_response(rid, *result))
+            await self._respond(writer, sending, _ok_response(rid, *result))
 
-    async def _finish_later(self, writer: asyncio.StreamWriter, rid: int, later: _Later) -> None:
+    async def _finish_later(self, writer: asyncio.StreamWriter, sending: asyncio.Lock,
+                            rid: int, later: _Later) -> None:
         try:
             response = _ok_response(rid, *await later())
         except _OpError as exc:
             response = _error_response(rid, exc)
-        await self._respond(writer, response)
+        await self._respond(writer, sending, response)
 
-    async def _respond(self, writer: asyncio.StreamWriter, frame: Frame) -> None:
-        write_frame(writer, frame)
-        async with asyncio.timeout(self._send_timeout):
-            await writer.drain()
+    async def _respond(self, writer: asyncio.StreamWriter, sending: asyncio.Lock,
+                       frame: Frame) -> None:
+        """Write ``frame`` once the connection's previous response has drained (``sending``
+        is the connection's): the event loop holds at most one response of a connection
+        at a time, so the requests waiting for one key, answered together when it is set,
+        cost one value's memory rather than one per request (CPython 3.11's loop copies
+        each response it buffers: 100 ``get``s waiting for a 16 MiB value took 1.6 GB while
+        the client did not read)."""
+        async with sending:  # (bounded: the one before drains within send_timeout, or fails)
+            write_frame(writer, frame)
+            async with asyncio.timeout(self._send_timeout):
+                await writer.drain()
 
     # ------------------------------------------------------------------------- waiting
 
