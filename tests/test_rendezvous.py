@@ -1043,3 +1043,51 @@ def test_loopback_addresses() -> None:
         assert is_loopback(host), host
     for host in ("0.0.0.0", "10.0.0.1", "::", "example.org", "::ffff:10.0.0.1"):
         assert not is_loopback(host), host
+
+
+# ----------------------------------------------------------------------------------- init
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_every_rank_of_a_world_rank_0_hosts_times_out_alike() -> None:
+    """A world of four whose rank 3 never comes, on the rendezvous rank 0 hosts. Rank 0
+    joined first, so its wait ended first: it raised ``RendezvousTimeout`` ('never joined:
+    rank 3') and closed the rendezvous; ranks 1 and 2, still waiting there, raised a plain
+    ``RendezvousError`` (the server closed the connection), not a ``CollectiveTimeout``,
+    though the cause was the same. Every rank now raises ``RendezvousTimeout`` saying what it
+    waited for and which rank never joined, promptly (well before their own timeouts)."""
+    from asynccoll import Communicator
+    from asynccoll.errors import CollectiveTimeout, RendezvousTimeout
+    from asynccoll.transport.tcp import tcp_init
+
+    port = _free_port()
+
+    async def rank(r: int, delay: float) -> Communicator:
+        await asyncio.sleep(delay)
+        return await tcp_init(rank=r, world_size=4, addr="127.0.0.1", port=port, token=TOKEN,
+                              timeout=1.0 + delay)
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with asyncio.timeout(20):
+        results = await asyncio.gather(rank(0, 0.0), rank(1, 0.3), rank(2, 0.6),
+                                       return_exceptions=True)
+    elapsed = loop.time() - t0
+    for c in results:
+        if isinstance(c, Communicator):
+            await c.close()
+    for r, exc in enumerate(results):
+        assert isinstance(exc, RendezvousTimeout), (r, results)
+        assert isinstance(exc, CollectiveTimeout) and isinstance(exc, RendezvousError)
+        message = str(exc)
+        assert "waiting for 4 ranks to join the roster (have 3)" in message, (r, message)
+        assert "never joined: rank 3" in message, (r, message)
+        if r:
+            assert f"rank {r} waited for 4 ranks to join the roster" in message, message
+            assert "rank 0, which hosts the rendezvous, gave up waiting" in message, message
+    # rank 2's own wait would have ended at 0.6 + 1.6 s: told by rank 0, at about 1 s
+    assert elapsed < 2.0, elapsed

@@ -11,6 +11,7 @@ connections and the data path are in ``asynccoll.transport.tcp``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import ipaddress
@@ -223,6 +224,55 @@ async def _unfilled(client: Any, exc: RendezvousError, rank: int, world_size: in
                              f"{listed}{hint}")
 
 
+#: the key (in the job's namespace) where a rank hosting the rendezvous that gave up waiting
+#: for the world to form publishes its error, for the ranks still waiting there, before it
+#: closes the rendezvous (SPEC, "Rendezvous messages"); each of them answers by setting
+#: ``UNFORMED_KEY + "/told/" + rank``
+UNFORMED_KEY = "init/unformed"
+#: how long that rank waits for those answers before it closes the rendezvous anyway
+TELL_SECONDS = 2.0
+
+
+async def _tell_unformed(client: Any, rank: int, error: RendezvousTimeout) -> None:
+    """Rank ``rank``, hosting the rendezvous, gave up waiting for the world (``error``):
+    publish why for the ranks waiting there, and wait (``TELL_SECONDS`` at most) until the
+    ranks that joined have read it, since closing the rendezvous cuts them off."""
+    try:
+        async with asyncio.timeout(TELL_SECONDS):
+            await client.set(UNFORMED_KEY, f"rank {rank}, which hosts the rendezvous, gave up "
+                                           f"waiting: {error}")
+            joined = (await client.roster(timeout=0))["members"]
+            await client.wait([f"{UNFORMED_KEY}/told/{r}" for r in sorted(joined) if r != rank],
+                              timeout=TELL_SECONDS)
+    except (RendezvousError, OSError, TimeoutError):
+        pass  # (best effort: a rank not told says the rendezvous closed, and why it may have)
+
+
+async def _roster_unless_unformed(client: Any, rank: int, world_size: int, wait: float
+                                  ) -> dict[str, Any]:
+    """``client.roster(world_size, wait)``, for a rank on a rendezvous another rank hosts:
+    ``RendezvousTimeout`` as soon as that rank publishes that it gave up waiting (rank 0
+    joined first, so its wait ends first, and it closes the rendezvous: the ranks still
+    waiting would only see the connection close)."""
+    roster = asyncio.ensure_future(client.roster(world_size, wait))
+    unformed = asyncio.ensure_future(client.get(UNFORMED_KEY, timeout=wait))
+    try:
+        await asyncio.wait({roster, unformed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (roster, unformed):
+            task.cancel()
+        await asyncio.wait({roster, unformed})
+    if not roster.cancelled() and roster.exception() is None:  # (formed, after all)
+        return roster.result()
+    if unformed.cancelled() or unformed.exception() is not None:
+        return await roster  # (its error)
+    with contextlib.suppress(RendezvousError, OSError, TimeoutError):
+        async with asyncio.timeout(TELL_SECONDS):
+            await client.set(f"{UNFORMED_KEY}/told/{rank}", b"")
+    raise RendezvousTimeout(f"rank {rank} waited for {world_size} ranks to join the roster, "
+                            f"but {unformed.result().decode(errors='replace')}")
+
+
 def roster_job(members: dict[int, list[Any]]) -> str:
     """The job id of the world a full roster forms (SPEC, "Job ids"): a digest of every
     rank's listening address, the same on every rank that read the roster. A rank of
@@ -287,6 +337,8 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
             raise ValueError(f"ASYNCCOLL_RENDEZVOUS must be host:port (port 0-65535), "
                              f"got {rendezvous!r}")
         rdv_host, rdv_port = host_part, int(port_part)
+    # (a rendezvous rank 0 hosts tells the ranks waiting there why it gave up: they watch)
+    rank_0_hosts = host_rendezvous is None and not rendezvous and rank != 0
     if host_rendezvous is None:
         host_rendezvous = rank == 0 and not rendezvous
 
@@ -321,10 +373,18 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
         await client.join(rank, advertised, lport,
                           {"crowded": transport.yields, "world_size": world_size})
         try:
-            roster = await client.roster(world_size, wait)
+            if rank_0_hosts:
+                roster = await _roster_unless_unformed(client, rank, world_size, wait)
+            else:
+                roster = await client.roster(world_size, wait)
+        except RendezvousTimeout:
+            raise
         except RendezvousError as exc:
-            raise await _unfilled(client, exc, rank, world_size, (advertised, lport), seen,
-                                  "" if host_rendezvous else rendezvous or "") from None
+            error = await _unfilled(client, exc, rank, world_size, (advertised, lport), seen,
+                                    "" if host_rendezvous else rendezvous or "")
+            if server is not None and isinstance(error, RendezvousTimeout):
+                await _tell_unformed(client, rank, error)
+            raise error from None
         members = roster["members"]
         _check_roster(members, rank, world_size, (advertised, lport))
         for r, entry in members.items():
