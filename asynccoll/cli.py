@@ -320,6 +320,10 @@ class _Launcher:
         self.stopping = False
         #: a Ctrl-C (or SIGTERM, SIGHUP) arrived: the ranks it stops are not replaced
         self.interrupted = False
+        #: the launcher's exit code once interrupted: 128 + the first signal that came
+        #: (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP), as a shell reports a process
+        #: that such a signal ended
+        self.interrupt_code = 128 + signal.SIGINT
         #: sys.stdout / sys.stderr once whoever reads them has gone (a broken pipe)
         self.closed_outputs: set[Any] = set()
         #: per output (sys.stdout, sys.stderr), where the ranks' lines go
@@ -829,7 +833,7 @@ class _Launcher:
             failed = self.interrupted
             if self.interrupted and not told and self.first_failure is None:
                 told = True  # (interrupted after this node's ranks ended: the others stop)
-                await self._tell_nodes(None, 130)
+                await self._tell_nodes(None, self.interrupt_code)
             if not failed and self.elastic is None:
                 try:
                     failed = bool(await c.get(f"{NODES_PREFIX}/failed", wait=False))
@@ -977,47 +981,53 @@ class _Launcher:
             return code
         return None
 
+    def _note_interrupt(self, sig: int) -> None:
+        """A Ctrl-C, SIGTERM or SIGHUP (``sig``) came: the first one sets the exit code."""
+        if not self.interrupted:
+            self.interrupted, self.interrupt_code = True, 128 + sig
+
     async def _interruptible(self, coro: Any) -> Any:
         """Await ``coro`` (before any rank started), ending it on Ctrl-C, SIGTERM or SIGHUP:
-        then say so, tell the other nodes, and return 130 (no traceback, nothing left)."""
+        then say so, tell the other nodes, and return 128 + the signal (130 for Ctrl-C; no
+        traceback, nothing left)."""
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(coro)
 
-        def on_interrupt() -> None:
-            self.interrupted = True
+        def on_interrupt(sig: int) -> None:
+            self._note_interrupt(sig)
             task.cancel()
 
         for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
             if sig is None:
                 continue
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, on_interrupt)
+                loop.add_signal_handler(sig, on_interrupt, sig)
         try:  # (_run replaces the handlers with its own)
             return await task
         except asyncio.CancelledError:
             if not self.interrupted or not task.cancelled():
                 raise
         self._say("asynccoll run: interrupted before this node's ranks started\n")
-        await self._tell_nodes(None, 130)
-        return 130
+        await self._tell_nodes(None, self.interrupt_code)
+        return self.interrupt_code
 
     async def _run(self, rdv_port: int) -> int:
         """Start this node's ranks and watch them until they end; the exit code."""
         loop = asyncio.get_running_loop()
         interrupted = asyncio.Event()
 
-        def on_interrupt() -> None:
+        def on_interrupt(sig: int) -> None:
             if interrupted.is_set():  # second Ctrl-C: no more patience
                 self._signal_all(signal.SIGKILL)
             interrupted.set()
-            self.interrupted = True
+            self._note_interrupt(sig)
             self._signal_all(signal.SIGINT)
 
         # (SIGHUP: the terminal went away; the ranks, in sessions of their own, would not know)
         for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
             if sig is not None:
                 with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.add_signal_handler(sig, on_interrupt)
+                    loop.add_signal_handler(sig, on_interrupt, sig)
         nodes = ([asyncio.ensure_future(self._watch_nodes()),
                   asyncio.ensure_future(self._heartbeat())] if self.client is not None else [])
         try:
@@ -1034,7 +1044,7 @@ class _Launcher:
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if interrupt.done():
                 self._say("asynccoll run: interrupted; stopping the ranks\n")
-                await self._tell_nodes(None, 130)
+                await self._tell_nodes(None, self.interrupt_code)
                 try:
                     async with asyncio.timeout(GRACE_SECONDS):
                         await self._wait_all()
@@ -1053,7 +1063,7 @@ class _Launcher:
         # (node 0: until the other nodes' ranks ended, or know that they must)
         totals = await self._end_nodes()
         if self.interrupted:
-            return 130
+            return self.interrupt_code
         if self.elastic is not None:
             succeeded, left = totals if totals is not None else (self.succeeded, self.left)
             if succeeded < self.elastic[0]:
@@ -1221,7 +1231,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the rank whose failure was its own, not of one that failed because of "
                     "it (see ASYNCCOLL_ERROR_FILE in docs/backends/tcp.md). A job "
                     "on several machines runs one launcher on each (--nnodes, --node-rank): "
-                    "a failure on any node stops every node's ranks.")
+                    "a failure on any node stops every node's ranks. Ctrl-C, SIGTERM or "
+                    "SIGHUP stops the ranks (on every node), and the launcher exits with 128 "
+                    "+ the signal: 130, 143 or 129.")
     run.add_argument("-n", "--nproc", dest="n", type=int, required=True,
                      help="number of ranks (on this node)")
     run.add_argument("--nnodes", type=int, default=1,

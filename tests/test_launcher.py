@@ -925,6 +925,27 @@ def test_hangup_stops_everything(reaper: Callable[..., Proc]) -> None:
     assert_all_gone(pids)
 
 
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                           (signal.SIGHUP, 129)],
+                         ids=["ctrl-c", "sigterm", "sighup"])
+def test_an_interrupted_launcher_exits_128_plus_the_signal(
+        reaper: Callable[..., Proc], tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    """SIGTERM (or SIGHUP) to ``asynccoll run`` stopped the ranks and exited 130, the code
+    of a Ctrl-C: a batch system that sent SIGTERM read it as an interrupt by hand. The exit
+    code is 128 + the signal, as a shell reports a process that the signal ended."""
+    script = tmp_path / "sleeps.py"
+    script.write_text("import os, time\nprint(f'PID {os.getpid()}', flush=True)\n"
+                      "print('READY', flush=True)\ntime.sleep(30)\n")
+    proc = reaper(launcher("-n", "1", str(script)))
+    assert proc.wait_for(lambda lines: any(line.endswith("] READY") for line in lines), 20), \
+        proc.output
+    pids = proc.child_pids()
+    proc.popen.send_signal(sig)
+    assert proc.finish(15) == code, proc.output
+    assert "asynccoll run: interrupted; stopping the ranks" in proc.output, proc.output
+    assert_all_gone(pids)
+
+
 # ------------------------------------------------------------------------- whom to blame
 
 BLAME = str(HELPERS / "blame.py")

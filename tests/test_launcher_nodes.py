@@ -86,18 +86,20 @@ def test_a_rank_failing_on_one_node_stops_every_node(reaper: Callable[..., Proc]
     assert_all_gone(first.child_pids() + second.child_pids())
 
 
-@pytest.mark.parametrize(("which", "sig"), [(1, signal.SIGINT), (0, signal.SIGTERM)],
+@pytest.mark.parametrize(("which", "sig", "code"), [(1, signal.SIGINT, 130),
+                                                    (0, signal.SIGTERM, 143)],
                          ids=["node-1-ctrl-c", "node-0-sigterm"])
 def test_interrupting_one_node_stops_every_node(reaper: Callable[..., Proc], which: int,
-                                                sig: signal.Signals) -> None:
-    """Ctrl-C (or SIGTERM) to one launcher stops every node's ranks, 130 everywhere; node 0's
-    launcher keeps its rendezvous up until node 1's heard of it."""
+                                                sig: signal.Signals, code: int) -> None:
+    """Ctrl-C (or SIGTERM) to one launcher stops every node's ranks, 128 + the signal
+    everywhere (130, 143); node 0's launcher keeps its rendezvous up until node 1's heard
+    of it."""
     port = free_fixed_port()
     procs = sleeping_nodes(reaper, port)
     procs[which].popen.send_signal(sig)
-    assert procs[which].finish(30) == 130, procs[which].output
+    assert procs[which].finish(30) == code, procs[which].output
     other = procs[1 - which]
-    assert other.finish(15) == 130, other.output
+    assert other.finish(15) == code, other.output
     assert (f"the launcher of node {which} was interrupted; stopping this node's ranks"
             in other.output), other.output
     assert_all_gone(procs[0].child_pids() + procs[1].child_pids())
@@ -355,18 +357,20 @@ def test_a_node_waiting_for_node_0_says_what_it_waits_for(reaper: Callable[..., 
     proc.kill()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
 def test_a_launcher_interrupted_while_it_waits_for_node_0(reaper: Callable[..., Proc],
-                                                           sig: signal.Signals) -> None:
+                                                           sig: signal.Signals,
+                                                           code: int) -> None:
     """Ctrl-C to a launcher waiting for node 0's rendezvous ended it with a KeyboardInterrupt
     traceback (SIGTERM: killed by the signal, without a word). It says it was interrupted
-    and exits 130, as it does once its ranks run."""
+    and exits 128 + the signal (130, 143), as it does once its ranks run."""
     port = free_fixed_port()
     proc = node(reaper, 1, port, "check")
     assert proc.wait_for(lambda lines: any("waiting for node 0's" in line for line in lines),
                          5), proc.output
     proc.popen.send_signal(sig)
-    assert proc.finish(5) == 130, proc.output
+    assert proc.finish(5) == code, proc.output
     assert "Traceback" not in proc.output, proc.output
     assert proc.lines[-1] == "asynccoll run: interrupted before this node's ranks started", \
         proc.output
