@@ -44,6 +44,9 @@ NODES_POLL_SECONDS = 0.2
 NODES_BEAT_SECONDS = 1.0
 #: seconds without a sign of life after which node 0 stops waiting for a node's launcher
 NODES_STALE_SECONDS = 30.0
+#: seconds without a sign of life, while node 0's ranks run, after which node 0 counts a
+#: node's launcher lost (killed, or its machine gone) and stops the job
+NODES_LOST_SECONDS = 5 * NODES_BEAT_SECONDS
 #: seconds node 0 waits, at the end of an elastic job, for the others to read its totals
 NODES_ACK_SECONDS = 10.0
 #: seconds the launcher waits, after a rank failed because another rank did (its record in
@@ -247,6 +250,9 @@ def _shape_text(shape: dict[str, Any]) -> str:
 
 def _failure_text(failed: dict[str, Any]) -> str:
     """What another node's launcher said went wrong (its record under ``launch/failed``)."""
+    if failed.get("lost") is not None:
+        return (f"node {failed['lost']}'s launcher gave no sign of life for "
+                f"{failed.get('after', NODES_LOST_SECONDS):g} s (killed, or its machine gone)")
     if failed["rank"] is None:
         return f"the launcher of node {failed['node']} was interrupted"
     why = f" (its error came from rank {failed['from']})" if "from" in failed else ""
@@ -552,17 +558,20 @@ class _Launcher:
     # -- several nodes ----------------------------------------------------------------------
 
     async def _tell_nodes(self, rank: int | None, code: int,
-                          came_from: int | None = None) -> None:
+                          came_from: int | None = None, lost: int | None = None) -> None:
         """Several nodes: tell the other launchers that ``rank`` of this node failed with
-        ``code`` (None: the launcher was interrupted), unless a failure is known already.
-        ``came_from``: the rank its failure came from (a victim blamed when no culprit
-        came in time). A failure of a rank's own replaces a victim's record, so that every
-        node blames the same rank (see ``_final_blame``)."""
+        ``code`` (None: the launcher was interrupted, or, with ``lost``, node 0 lost that
+        node's launcher), unless a failure is known already. ``came_from``: the rank its
+        failure came from (a victim blamed when no culprit came in time). A failure of a
+        rank's own replaces a victim's record, so that every node blames the same rank (see
+        ``_final_blame``)."""
         if self.client is None:
             return
-        mine = {"node": self.node_rank, "rank": rank, "code": code}
+        mine: dict[str, Any] = {"node": self.node_rank, "rank": rank, "code": code}
         if came_from is not None:
             mine["from"] = came_from
+        if lost is not None:
+            mine["lost"], mine["after"] = lost, NODES_LOST_SECONDS
         record, key = json.dumps(mine), f"{NODES_PREFIX}/failed"
         try:
             swapped, there = await self._ask(self.client.compare_set(key, None, record))
@@ -608,6 +617,49 @@ class _Launcher:
                           f"ranks\n")
                 await self.stop()
             return
+
+    async def _watch_beats(self) -> None:
+        """Node 0, not elastic, while its ranks run: count another node's launcher lost once
+        its heartbeat has not moved for NODES_LOST_SECONDS (SIGKILL, its machine gone; the
+        kernel takes its ranks with it, and this node's ranks may not notice: none in a
+        collective with them), and then stop this node's ranks and tell the other nodes.
+        A node whose ranks ended (``done``), or whose launcher has given no beat yet (not
+        started its ranks), is not watched."""
+        c = self.client
+        loop = asyncio.get_running_loop()
+        seen: dict[int, tuple[bytes, float]] = {}  # node: (last beat, when it changed)
+        while True:
+            await asyncio.sleep(NODES_POLL_SECONDS)
+            lost = None
+            try:
+                for k in sorted(set(range(1, self.nnodes)) - self.nodes_gone):
+                    try:
+                        await self._ask(c.get(f"{NODES_PREFIX}/done/{k}", wait=False))
+                        continue
+                    except KeyError:
+                        pass
+                    beat, now = await self._beat(k), loop.time()
+                    last = seen.get(k)
+                    if beat is None:
+                        continue
+                    if last is None or last[0] != beat:
+                        seen[k] = (beat, now)
+                    elif now - last[1] > NODES_LOST_SECONDS:
+                        lost = k
+                        break
+            except Exception:  # (its own rendezvous not answering: _watch_nodes says so)
+                return
+            if (self.first_failure is not None or self.victims or self.stopping
+                    or self.interrupted):
+                return  # (the job ends anyway: its failure is told as it is)
+            if lost is not None:
+                self.nodes_gone.add(lost)
+                self.first_failure = (-1, 1)
+                self._say(f"asynccoll run: node {lost}'s launcher gave no sign of life for "
+                          f"{NODES_LOST_SECONDS:g} s (killed, or its machine gone); stopping "
+                          f"this node's ranks\n")
+                await asyncio.gather(self.stop(), self._tell_nodes(None, 1, lost=lost))
+                return
 
     async def _ask(self, call: Any) -> Any:
         """Await a call to node 0's rendezvous, for at most NODES_CALL_SECONDS (a machine
@@ -1030,6 +1082,8 @@ class _Launcher:
                     loop.add_signal_handler(sig, on_interrupt, sig)
         nodes = ([asyncio.ensure_future(self._watch_nodes()),
                   asyncio.ensure_future(self._heartbeat())] if self.client is not None else [])
+        if self.client is not None and self.node_rank == 0 and self.elastic is None:
+            nodes.append(asyncio.ensure_future(self._watch_beats()))
         try:
             for local in range(self.n):
                 if self.interrupted:  # (Ctrl-C while they start: those started have it)

@@ -138,6 +138,26 @@ def test_a_launcher_killed_takes_its_ranks_and_the_job_with_it(
     assert_all_gone(second.child_pids())
 
 
+def test_a_launcher_killed_while_node_0s_ranks_run_stops_node_0_promptly(
+        reaper: Callable[..., Proc]) -> None:
+    """SIGKILL to node 1's launcher while every rank sleeps (no collective in flight that
+    would tell node 0's ranks). The kernel kills node 1's ranks with it; node 0's launcher
+    watched the other launchers' heartbeats only once its own ranks ended, so its ranks slept
+    on (60 s here, for ever in a job that waits on something else). It now stops them within
+    a few heartbeats, exits 1, and names the lost node."""
+    port = free_fixed_port()
+    first, second = sleeping_nodes(reaper, port)
+    second.popen.kill()
+    assert second.finish(10) == -signal.SIGKILL
+    assert_all_gone(second.child_pids())
+    began = time.monotonic()
+    assert first.finish(20) == 1, first.output
+    assert time.monotonic() - began < 15, first.output
+    assert ("asynccoll run: node 1's launcher gave no sign of life for 5 s (killed, or its "
+            "machine gone); stopping this node's ranks") in first.output, first.output
+    assert_all_gone(first.child_pids())
+
+
 def test_a_second_launcher_for_a_node_rank_is_refused(reaper: Callable[..., Proc]) -> None:
     """A launcher started with the --node-rank of one that runs is refused at once, starts
     nothing, and leaves the job alone (its ranks joined the job's rendezvous and waited
