@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
 
 from asynccoll import handshake  # noqa: E402
 from asynccoll.errors import AuthenticationError, ProtocolError  # noqa: E402
+from asynccoll.rendezvous._common import DEFAULT_MAX_VALUE_BYTES  # noqa: E402
 from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes  # noqa: E402
 from protocol._vectorfile import json_lines, write_or_check  # noqa: E402
 
@@ -41,6 +42,8 @@ DESCRIPTION = (
 )
 
 CLIENT_NONCE = bytes(range(0x00, 0x20))
+#: what the reference rendezvous server's WELCOME carries (its default max_value_bytes)
+RENDEZVOUS_WELCOME = {"max_value_bytes": DEFAULT_MAX_VALUE_BYTES}
 SERVER_NONCE = bytes(range(0xA0, 0xC0))
 
 
@@ -99,7 +102,7 @@ def _exchange(name: str, description: str, *, client_token: str, server_token: s
         welcome = client.on_result(result)
         outcome = {"client": "welcome", "welcome_meta": _jsonable(welcome),
                    "server": "accepted", "peer_role": server.peer_role,
-                   "peer_rank": server.peer_rank}
+                   "peer_rank": server.peer_rank, "peer_job": server.peer_job}
     else:
         outcome = {"client": "error", "client_error": "rejected", "server": "rejected",
                    "reason": server.reason}
@@ -215,6 +218,34 @@ def build() -> dict[str, Any]:
                   "then the server rejects it",
                   client_token="secret", server_token="secret", role="peer", rank=3,
                   client_job="job-7", server_job="job-42", welcome_meta={"rank": 0}),
+        # the rendezvous and job ids (SPEC, "Job ids" and "Rendezvous messages")
+        _exchange("rendezvous_client_with_job", "a rank's rendezvous client announces job id "
+                  "\"train-7\" (ASYNCCOLL_JOB_ID) to a standalone rendezvous, whose job id is "
+                  "empty: accepted, and its requests act on the namespace of \"train-7\" "
+                  "(peer_job)",
+                  client_token="secret", server_token="secret", role="client", rank=2,
+                  client_job="train-7", server_job="", welcome_meta=RENDEZVOUS_WELCOME),
+        _exchange("rendezvous_client_empty_job", "a rank's rendezvous client with the empty "
+                  "job id (none set) to a standalone rendezvous: accepted, in the namespace of "
+                  "the empty job id, which lives as long as the server",
+                  client_token="secret", server_token="secret", role="client", rank=2,
+                  client_job="", server_job="", welcome_meta=RENDEZVOUS_WELCOME),
+        _exchange("rendezvous_of_rank_0_accepts_its_job", "the rendezvous rank 0 hosts is "
+                  "configured with rank 0's job id, \"train-7\": a rank of that job is "
+                  "accepted",
+                  client_token="secret", server_token="secret", role="client", rank=1,
+                  client_job="train-7", server_job="train-7", welcome_meta=RENDEZVOUS_WELCOME),
+        _exchange("rendezvous_of_rank_0_refuses_another_job", "the rendezvous rank 0 hosts, "
+                  "configured with job id \"train-7\", and a rank of job \"train-8\" with the "
+                  "same token (two jobs pointed at one address): the client authenticates, "
+                  "then REJECT \"job mismatch\"",
+                  client_token="secret", server_token="secret", role="client", rank=1,
+                  client_job="train-8", server_job="train-7", welcome_meta=RENDEZVOUS_WELCOME),
+        _exchange("rendezvous_of_rank_0_refuses_the_empty_job", "the rendezvous rank 0 hosts, "
+                  "configured with job id \"train-7\", and a rank with the empty job id: "
+                  "REJECT \"job mismatch\" (a configured job id admits that job only)",
+                  client_token="secret", server_token="secret", role="client", rank=1,
+                  client_job="", server_job="train-7", welcome_meta=RENDEZVOUS_WELCOME),
     ]
     return {"description": DESCRIPTION, "version": 1,
             "labels": {"server": handshake.SERVER_LABEL.decode(),

@@ -115,7 +115,19 @@ def test_vector_file_shape() -> None:
                               "server_rejects_wrong_proof", "job_mismatch",
                               # the token's rules (SPEC, Token; Nonces and proofs): text is
                               # UTF-8, a key over 64 bytes is hashed first (RFC 2104)
-                              "accepted_non_ascii_token", "accepted_long_token"}
+                              "accepted_non_ascii_token", "accepted_long_token",
+                              # job ids at the rendezvous (SPEC, Job ids): a client with one
+                              # and with none on a shared server, and rank 0's server, which
+                              # admits its own job only
+                              "rendezvous_client_with_job", "rendezvous_client_empty_job",
+                              "rendezvous_of_rank_0_accepts_its_job",
+                              "rendezvous_of_rank_0_refuses_another_job",
+                              "rendezvous_of_rank_0_refuses_the_empty_job"}
+    for name in ("rendezvous_of_rank_0_refuses_another_job",
+                 "rendezvous_of_rank_0_refuses_the_empty_job"):
+        assert EXCHANGES[name]["outcome"]["reason"] == "job mismatch", name
+    assert EXCHANGES["rendezvous_client_with_job"]["outcome"]["peer_job"] == "train-7"
+    assert EXCHANGES["rendezvous_client_empty_job"]["outcome"]["peer_job"] == ""
     assert EXCHANGES["accepted_non_ascii_token"]["client"]["token"].encode() != \
         EXCHANGES["accepted_non_ascii_token"]["client"]["token"].encode("latin-1", "replace")
     assert len(EXCHANGES["accepted_long_token"]["client"]["token"].encode()) > 64
@@ -188,6 +200,7 @@ def test_vector_exchange_reproduced_byte_for_byte(name: str) -> None:
     assert encode_frame_bytes(result).hex() == vf[3]["hex"]
     if outcome["server"] == "accepted":
         assert server.accepted and server.reason is None
+        assert server.peer_job == outcome["peer_job"] == c["job"]
         assert client.on_result(frame_of(vf[3])) == from_json(outcome["welcome_meta"])
         assert client.done and server.done
     else:

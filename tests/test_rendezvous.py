@@ -1014,6 +1014,56 @@ async def test_rendezvous_vectors_replayed_byte_for_byte() -> None:
                 await raw_close(writer)
 
 
+HS_VECTORS = json.loads((Path(__file__).resolve().parents[1] / "protocol" / "vectors"
+                         / "handshake.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["rendezvous_client_with_job", "rendezvous_client_empty_job",
+                                  "rendezvous_of_rank_0_accepts_its_job",
+                                  "rendezvous_of_rank_0_refuses_another_job",
+                                  "rendezvous_of_rank_0_refuses_the_empty_job"])
+async def test_handshake_vectors_of_job_ids_against_a_live_rendezvous(name: str) -> None:
+    """The handshake vectors of job ids at the rendezvous (a client with a job id and with
+    none on a shared server; rank 0's server, configured with its job id, accepting it and
+    refusing another or none), replayed against a running ``RendezvousServer``: the HELLO,
+    and the server's WELCOME or REJECT, byte for byte (the CHALLENGE carries the server's
+    random nonce), and an accepted client's requests act on its job's namespace."""
+    from asynccoll.handshake import ClientHandshake
+
+    (ex,) = [e for e in HS_VECTORS["exchanges"] if e["name"] == name]
+    c, s, frames = ex["client"], ex["server"], ex["frames"]
+    async with RendezvousServer(token=s["token"], job=s["job"]) as srv:
+        reader, writer = await raw_open(srv)
+        try:
+            client = ClientHandshake(c["token"], role=c["role"], rank=c["rank"], job=c["job"],
+                                     nonce=bytes.fromhex(c["nonce_hex"]))
+            hello = encode_frame_bytes(client.hello())
+            assert hello.hex() == frames[0]["hex"]
+            writer.write(hello)
+            async with asyncio.timeout(5):
+                challenge = await read_frame(reader, 0)
+                assert challenge is not None and challenge.kind == FrameKind.CHALLENGE
+                writer.write(encode_frame_bytes(client.on_challenge(challenge)))
+                result = await read_frame(reader, 0)
+            assert result is not None
+            assert encode_frame_bytes(result).hex() == frames[3]["hex"], result
+            if ex["outcome"]["server"] == "accepted":
+                writer.write(request(1, "set", b"v", key=f"k-{name}"))
+                async with asyncio.timeout(5):
+                    answer = await read_frame(reader, 1 << 20)
+                assert answer is not None and answer.header.meta["ok"] is True
+                assert c["job"] in srv.jobs, srv.jobs
+                held = srv._stores[c["job"]].data  # (its job's namespace, and none other)
+                assert held == {f"k-{name}": b"v"}, held
+            else:
+                assert result.kind == FrameKind.REJECT
+                assert result.header.meta == {"reason": ex["outcome"]["reason"]}
+                async with asyncio.timeout(5):
+                    assert await reader.read() == b""
+        finally:
+            await raw_close(writer)
+
+
 async def test_response_over_the_clients_own_limit_names_that_limit(
         server: RendezvousServer, client: RendezvousClient) -> None:
     # a value the server holds that is larger than a second client accepts: that client's
