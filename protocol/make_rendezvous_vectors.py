@@ -11,7 +11,8 @@ vectors"); this script documents how it was made::
 REQUEST is sent after the previous RESPONSE arrived, so the server's state carries from step
 to step and every response is deterministic (waiting ops use a ``timeout`` of 0 or find what
 they wait for). ``closing`` holds requests that each make the server close a connection of
-their own, without a response.
+their own, without a response. ``limits`` is one connection, as ``session``, to a fresh
+server with the small limits of ``limits_server``: the error code ``limit``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from protocol._vectorfile import json_lines, write_or_check  # noqa: E402
 
 OUTPUT = ROOT / "protocol" / "vectors" / "rendezvous.json"
 TOKEN = "secret"
+#: the limits of the server the ``limits`` steps run against (RendezvousServer arguments)
+LIMITS = {"max_keys": 2, "max_store_bytes": 8, "max_waiting": 0}
 
 DESCRIPTION = (
     "asynccoll protocol v1: rendezvous test vectors (see protocol/SPEC.md, 'Rendezvous "
@@ -49,7 +52,10 @@ DESCRIPTION = (
     "each ('request_hex', 'response_hex': whole frames; 'request'/'response': their meta and "
     "payload in hex, a msgpack bin value written {\"bin\": hex}). 'closing': REQUESTs (or "
     "other frames) each sent first on a connection of its own, after which the server closes "
-    "the connection without a response. The handshake before each connection is ordinary "
+    "the connection without a response. 'limits': as 'session', on one connection to a fresh "
+    "server with the limits of 'limits_server' (max_keys: keys and roster entries; "
+    "max_store_bytes: bytes of keys, values, roster hosts and packed metas; max_waiting: "
+    "requests waiting at once). The handshake before each connection is ordinary "
     "(token 'secret', role 'client')."
 )
 
@@ -140,6 +146,28 @@ def session_requests() -> list[tuple[str, Frame]]:
             for i, (name, op, payload, args) in enumerate(steps, start=1)]
 
 
+def limits_requests() -> list[tuple[str, Frame]]:
+    """(name, REQUEST) in the order they are sent to a server with ``LIMITS``."""
+    steps: list[tuple[str, str, bytes, dict[str, Any]]] = [
+        ("set_within_limits", "set", b"1", {"key": "a"}),
+        ("get_that_would_wait", "get", b"", {"key": "nope", "timeout": 1}),
+        ("wait_that_would_wait", "wait", b"", {"keys": ["nope"], "timeout": 1}),
+        ("roster_that_would_wait", "roster", b"", {"world_size": 1, "timeout": 1}),
+        ("get_found_does_not_wait", "get", b"", {"key": "a"}),
+        ("set_past_max_store_bytes", "set", b"1234567", {"key": "b"}),
+        ("set_second_key", "set", b"12", {"key": "b"}),
+        ("set_existing_key", "set", b"3", {"key": "b"}),
+        ("add_past_max_keys", "add", b"", {"key": "c", "delta": 1}),
+        ("compare_set_past_max_keys", "compare_set", b"x", {"key": "c", "expected": None}),
+        ("join_past_max_keys", "join", b"", {"rank": 0, "host": "h", "port": 1}),
+        ("delete_makes_room", "delete", b"", {"key": "a"}),
+        ("join_within_limits", "join", b"", {"rank": 0, "host": "h", "port": 1}),
+        ("num_keys", "num_keys", b"", {}),
+    ]
+    return [(name, _request(i, op, payload, **args))
+            for i, (name, op, payload, args) in enumerate(steps, start=1)]
+
+
 def closing_frames() -> list[tuple[str, Frame]]:
     """Frames after which the server closes the connection without a response."""
     return [
@@ -209,21 +237,33 @@ async def _build() -> dict[str, Any]:
             assert await closes_without_response(server.port, data), name
             closing.append({"name": name, "hex": data.hex(), "kind": int(frame.kind),
                             "meta": _jsonable(frame.header.meta)})
-    session = []
+    limited = limits_requests()
+    async with RendezvousServer("127.0.0.1", 0, token=TOKEN, **LIMITS) as server:
+        limited_responses = await run_session(server.port,
+                                              [encode_frame_bytes(f) for _, f in limited])
+    session = _steps(requests, responses)
+    roster = next(s for s in session if s["name"] == "roster")
+    members = msgpack.unpackb(bytes.fromhex(roster["response"]["payload_hex"]), raw=False)
+    assert members == [[0, "10.0.0.1", 40000, {}], [1, "10.0.0.2", 40001, {"crowded": False}]]
+    limits = _steps(limited, limited_responses)
+    assert {s["response"]["meta"].get("code") for s in limits} == {None, "limit"}
+    return {"description": DESCRIPTION, "version": 1, "token": TOKEN,
+            "limits_server": LIMITS, "session": session, "closing": closing,
+            "limits": limits}
+
+
+def _steps(requests: list[tuple[str, Frame]], responses: list[bytes]) -> list[dict[str, Any]]:
+    steps = []
     for (name, request), response_bytes in zip(requests, responses, strict=True):
         frames = decode_frames(response_bytes, 1 << 26)
         assert len(frames) == 1 and frames[0].kind == FrameKind.RESPONSE, name
         response = frames[0]
         assert request.header.meta is not None and response.header.meta is not None
         assert response.header.meta["id"] == request.header.meta["id"], name
-        session.append({"name": name, "request_hex": encode_frame_bytes(request).hex(),
-                        "request": _frame_json(request), "response_hex": response_bytes.hex(),
-                        "response": _frame_json(response)})
-    roster = next(s for s in session if s["name"] == "roster")
-    members = msgpack.unpackb(bytes.fromhex(roster["response"]["payload_hex"]), raw=False)
-    assert members == [[0, "10.0.0.1", 40000, {}], [1, "10.0.0.2", 40001, {"crowded": False}]]
-    return {"description": DESCRIPTION, "version": 1, "token": TOKEN, "session": session,
-            "closing": closing}
+        steps.append({"name": name, "request_hex": encode_frame_bytes(request).hex(),
+                      "request": _frame_json(request), "response_hex": response_bytes.hex(),
+                      "response": _frame_json(response)})
+    return steps
 
 
 def build() -> dict[str, Any]:
@@ -239,7 +279,7 @@ def build() -> dict[str, Any]:
 
 def render() -> str:
     """The file's exact text: one vector per line."""
-    return json_lines(build(), ("session", "closing"))
+    return json_lines(build(), ("session", "closing", "limits"))
 
 
 def main(argv: list[str] | None = None) -> int:

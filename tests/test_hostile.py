@@ -10,6 +10,7 @@ error, not memory growth.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -19,10 +20,13 @@ from typing import Any
 
 import pytest
 
+from asynccoll.errors import RendezvousError
 from asynccoll.handshake import client_handshake, read_frame, write_frame
-from asynccoll.wire import Frame, FrameHeader, FrameKind
+from asynccoll.rendezvous import RendezvousClient, RendezvousServer
+from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes
 
 TOKEN = "hostile-test-token"
+VECTORS = Path(__file__).resolve().parents[1] / "protocol" / "vectors" / "rendezvous.json"
 
 
 SERVE_ON_ASYNCIO = """
@@ -137,3 +141,144 @@ async def test_requests_waiting_for_one_large_value_cost_one_copy_of_it(
         assert all(got[rid].header.meta["found"] and len(got[rid].payload) == size
                    for rid in range(waiting))
         writer.transport.abort()
+
+
+@pytest.fixture
+async def limited() -> AsyncIterator[RendezvousServer]:
+    """A server with small limits: 4 keys and roster entries, 1000 bytes, 2 waiting."""
+    async with RendezvousServer(token=TOKEN, max_keys=4, max_store_bytes=1000,
+                                max_waiting=2) as server:
+        yield server
+
+
+async def connect(server: RendezvousServer, job: str = "") -> RendezvousClient:
+    return await RendezvousClient.connect("127.0.0.1", server.port, token=TOKEN, job=job,
+                                          timeout=5.0)
+
+
+async def test_keys_past_max_keys_are_refused_clearly_and_change_nothing(
+        limited: RendezvousServer) -> None:
+    """Every job's keys and roster entries count together against ``max_keys``: past it a
+    new key (set, add, compare_set) or rank is refused with an error naming the limit, the
+    store is as it was and the connection goes on; a key that exists may still change, and
+    a key deleted or a job's last connection closed makes room."""
+    async with asyncio.timeout(10):
+        async with await connect(limited, "other-job") as other:
+            await other.set("o1", b"x")
+            await other.join(0, "127.0.0.1", 1)
+            async with await connect(limited) as client:
+                await client.set("a", b"1")
+                await client.add("n", 1)
+                for refused in (client.set("b", b"2"), client.add("m", 1),
+                                client.compare_set("c", None, b"3"),
+                                client.join(1, "127.0.0.1", 2)):
+                    with pytest.raises(RendezvousError, match=r"max_keys=4"):
+                        await refused
+                assert await client.num_keys() == 2
+                with pytest.raises(KeyError):
+                    await client.get("b", wait=False)
+                await client.set("a", b"changed")  # (not a new key)
+                assert await client.add("n", 1) == 2
+                await client.delete("a")
+                await client.set("b", b"2")
+        # the empty job's keys stay with the server; the other job's go with it
+        for _ in range(100):
+            if limited.jobs == [""]:
+                break
+            await asyncio.sleep(0.02)
+        async with await connect(limited) as client:
+            await client.set("c", b"3")
+            await client.set("d", b"4")
+            with pytest.raises(RendezvousError, match=r"max_keys=4"):
+                await client.set("e", b"5")
+            assert [await client.get(k) for k in "bcdn"] == [b"2", b"3", b"4", b"2"]
+
+
+async def test_bytes_past_max_store_bytes_are_refused_clearly(
+        limited: RendezvousServer) -> None:
+    """Keys, values and roster entries (host and meta) count against ``max_store_bytes``:
+    a value that would pass it is refused with an error naming the limit, whatever the
+    number of keys; a smaller value for the same key is taken."""
+    async with asyncio.timeout(10), await connect(limited) as client:
+        await client.set("a", b"x" * 900)
+        with pytest.raises(RendezvousError, match=r"max_store_bytes=1000"):
+            await client.set("b", b"x" * 100)
+        with pytest.raises(RendezvousError, match=r"max_store_bytes=1000"):
+            await client.join(0, "h" * 50, 1, meta={"pad": "x" * 50})
+        with pytest.raises(RendezvousError, match=r"max_store_bytes=1000"):
+            await client.set("a", b"x" * 1000)  # (1 + 1000 bytes)
+        assert await client.get("a") == b"x" * 900
+        await client.set("a", b"x" * 10)
+        await client.set("b", b"x" * 900)
+        await client.join(0, "127.0.0.1", 1)
+
+
+async def test_requests_past_max_waiting_are_refused_at_once(
+        limited: RendezvousServer) -> None:
+    """``max_waiting`` bounds the requests waiting at once, every connection's together: the
+    next one (get, wait or roster) is refused at once, naming the limit, while those that
+    do not wait are served; once a wait is answered there is room again."""
+    async with asyncio.timeout(10):
+        async with await connect(limited) as first, await connect(limited, "j") as second:
+            waits = [asyncio.create_task(first.get("k", timeout=5)),
+                     asyncio.create_task(second.wait(["k2"], timeout=5))]
+            await asyncio.sleep(0.1)
+            for refused in (first.get("k3", timeout=5), second.wait(["k"], timeout=5),
+                            first.roster(world_size=2, timeout=5)):
+                with pytest.raises(RendezvousError, match=r"max_waiting=2"):
+                    await refused
+            with pytest.raises(KeyError):  # (does not wait)
+                await first.get("k", wait=False)
+            await first.set("k", b"v")
+            assert await waits[0] == b"v"
+            third = asyncio.create_task(first.get("k3", timeout=5))
+            await second.set("k2", b"w")
+            await first.set("k3", b"z")
+            await waits[1]
+            assert await third == b"z"
+
+
+async def test_the_limits_vectors_replayed_byte_for_byte() -> None:
+    """protocol/vectors/rendezvous.json, ``limits``: the vector bytes sent to a fresh server
+    with the limits of ``limits_server`` get the vector's responses, byte for byte."""
+    vectors = json.loads(VECTORS.read_text())
+    assert {s["response"]["meta"].get("code") for s in vectors["limits"]} == {None, "limit"}
+    async with asyncio.timeout(10), RendezvousServer(
+            token=vectors["token"], **vectors["limits_server"]) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            await client_handshake(reader, writer, vectors["token"], role="client",
+                                   timeout=5)
+            for step in vectors["limits"]:
+                writer.write(bytes.fromhex(step["request_hex"]))
+                response = await read_frame(reader, 1 << 20)
+                assert response is not None, step["name"]
+                assert encode_frame_bytes(response).hex() == step["response_hex"], step["name"]
+        finally:
+            writer.transport.abort()
+
+
+async def test_waits_of_a_client_that_hung_up_give_their_room_back(
+        limited: RendezvousServer) -> None:
+    """Clients that send two waiting requests and hang up at once, the requests still being
+    read or their waits just started, over and over: every one of them is given back to
+    ``max_waiting``, so that a client after them may still wait."""
+    async with asyncio.timeout(10):
+        for i in range(20):
+            _, writer = await raw_client(limited.port)
+            write_frame(writer, request(1, "get", key=f"never-{i}", timeout=30))
+            write_frame(writer, request(2, "wait", keys=["never"], timeout=30))
+            if i % 2:
+                await asyncio.sleep(0.01)
+            writer.close()
+            await writer.wait_closed()
+        for _ in range(100):  # (the server sees the last ones close)
+            if limited.jobs == [""] and not limited._waiters:
+                break
+            await asyncio.sleep(0.02)
+        async with await connect(limited) as client:
+            waits = [asyncio.create_task(client.get(k, timeout=5)) for k in ("x", "y")]
+            await asyncio.sleep(0.1)
+            await client.set("x", b"1")
+            await client.set("y", b"2")
+            assert await asyncio.gather(*waits) == [b"1", b"2"]

@@ -19,6 +19,14 @@ MAX_WAIT_TIMEOUT: Final = 86400.0
 MAX_ERROR_CHARS: Final = 1000
 #: Extra time a client waits for the answer to a blocking request beyond its ``timeout``.
 RESPONSE_GRACE: Final = 5.0
+#: Default limit on the keys and roster entries a server holds, every job's together.
+DEFAULT_MAX_KEYS: Final = 1 << 20
+#: Default limit on the bytes of the keys, values and roster entries a server holds, every
+#: job's together.
+DEFAULT_MAX_STORE_BYTES: Final = 1 << 30
+#: Default limit on the requests waiting at once (``get``, ``wait``, ``roster`` that wait),
+#: every connection's together.
+DEFAULT_MAX_WAITING: Final = 1 << 16
 
 _I64_MIN: Final = -(1 << 63)
 _I64_MAX: Final = (1 << 63) - 1
@@ -31,6 +39,7 @@ E_TIMEOUT: Final = "timeout"
 E_NOT_INTEGER: Final = "not_integer"
 E_OVERFLOW: Final = "overflow"
 E_UNKNOWN_OP: Final = "unknown_op"
+E_LIMIT: Final = "limit"
 
 
 class _OpError(Exception):

@@ -16,9 +16,13 @@ from ._common import (
     _I64_MAX,
     _I64_MIN,
     _U32,
+    DEFAULT_MAX_KEYS,
+    DEFAULT_MAX_STORE_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
+    DEFAULT_MAX_WAITING,
     DEFAULT_WAIT_TIMEOUT,
     E_BAD_REQUEST,
+    E_LIMIT,
     E_TIMEOUT,
     E_UNKNOWN_OP,
     MAX_ERROR_CHARS,
@@ -29,7 +33,7 @@ from ._common import (
     _peername,
     logger,
 )
-from .store import Store
+from .store import Store, Usage
 
 # ----------------------------------------------------------------------------------- arguments
 
@@ -103,6 +107,18 @@ class RendezvousServer:
             connection that sent it. Announced to clients in WELCOME, so that a well-behaved
             client refuses a larger value itself (``ValueError``) before sending it.
         send_timeout: a client that does not read its responses for this long is dropped.
+        max_keys: most keys and roster entries the server holds, every job's together
+            (default 2**20).
+        max_store_bytes: most bytes of keys, values and roster entries (a rank's host and
+            meta) the server holds, every job's together (default 1 GiB).
+        max_waiting: most requests waiting at once (a ``get`` or ``wait`` for a missing key,
+            a ``roster`` for ranks yet to join), every connection's together (default 65536;
+            0: none may wait).
+
+    The three limits bound what authenticated clients make the server hold: a request that
+    would pass one is answered with the error code ``limit`` (``RendezvousError`` on the
+    client) and changes nothing; the connection stays open, and room made (keys deleted, a
+    job's connections closed, waits answered) is room for the next request.
 
     A connection that fails the handshake or breaks the protocol is closed and logged at
     WARNING; the other clients are not disturbed.
@@ -119,13 +135,18 @@ class RendezvousServer:
                  token: str | bytes | None = None, job: str = "",
                  handshake_timeout: float | None = None,
                  max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
-                 send_timeout: float = 30.0) -> None:
+                 send_timeout: float = 30.0, max_keys: int = DEFAULT_MAX_KEYS,
+                 max_store_bytes: int = DEFAULT_MAX_STORE_BYTES,
+                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
         # a wrong type is a TypeError, a wrong value a ValueError, each naming the argument
         handshake_timeout = resolve_handshake_timeout(handshake_timeout)
-        if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int):
-            raise TypeError(f"max_value_bytes must be an int, got {max_value_bytes!r}")
-        if max_value_bytes < 0:
-            raise ValueError(f"max_value_bytes must be >= 0, got {max_value_bytes}")
+        for name, value in (("max_value_bytes", max_value_bytes), ("max_keys", max_keys),
+                            ("max_store_bytes", max_store_bytes),
+                            ("max_waiting", max_waiting)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if isinstance(send_timeout, bool) or not isinstance(send_timeout, int | float):
             raise TypeError(f"send_timeout must be a number of seconds, got {send_timeout!r}")
         if not 0 < send_timeout < math.inf:
@@ -142,8 +163,13 @@ class RendezvousServer:
         self._handshake_timeout = handshake_timeout
         self._max_value_bytes = max_value_bytes
         self._send_timeout = float(send_timeout)
+        #: what every job's store holds together, against max_keys and max_store_bytes
+        self._usage = Usage(max_keys, max_store_bytes)
+        self._max_waiting = max_waiting
+        #: requests waiting now (every connection's)
+        self._waiting = 0
         #: the namespace of the empty job id (clients that announce none)
-        self.store = Store()
+        self.store = Store(usage=self._usage)
         #: every job's namespace, and how many connections of each are open
         self._stores: dict[str, Store] = {"": self.store}
         self._job_sessions: dict[str, int] = {}
@@ -292,7 +318,8 @@ class RendezvousServer:
         session = self._sessions
         self._live.add(session)
         self._job_sessions[job] = self._job_sessions.get(job, 0) + 1
-        self._stores.setdefault(job, Store())
+        if job not in self._stores:
+            self._stores[job] = Store(usage=self._usage)
         # one response at a time goes to the socket (see _respond)
         sending = asyncio.Lock()
         try:
@@ -320,7 +347,7 @@ class RendezvousServer:
             if not self._job_sessions[job]:
                 del self._job_sessions[job]
                 if job:  # that job is over: nothing of it is kept (its waiters were its own)
-                    del self._stores[job]
+                    self._stores.pop(job).release()
                     logger.debug("rendezvous: the last connection of job %r closed; its keys "
                                  "and roster are dropped", job)
         return abort
@@ -338,10 +365,22 @@ class RendezvousServer:
         except _OpError as exc:
             await self._respond(writer, sending, _error_response(rid, exc))
             return
-        if callable(result):
-            tg.create_task(self._finish_later(writer, sending, rid, result))
-        else:
+        if not callable(result):
             await self._respond(writer, sending, _ok_response(rid, *result))
+        elif self._waiting >= self._max_waiting:
+            await self._respond(writer, sending, _error_response(rid, _OpError(
+                E_LIMIT, f"{op} refused: it would wait, and {self._waiting} requests wait "
+                         f"at the rendezvous server already, its limit "
+                         f"(max_waiting={self._max_waiting})")))
+        else:
+            # counted until its task ends (a callback: a task cancelled before it started
+            # runs none of its code)
+            self._waiting += 1
+            tg.create_task(self._finish_later(writer, sending, rid, result)
+                           ).add_done_callback(self._waited)
+
+    def _waited(self, _: object) -> None:
+        self._waiting -= 1
 
     async def _finish_later(self, writer: asyncio.StreamWriter, sending: asyncio.Lock,
                             rid: int, later: _Later) -> None:
