@@ -339,8 +339,11 @@ def _unpack_map(body: bytes | bytearray | memoryview, *, use_list: bool) -> dict
             max_str_len=limit, max_bin_len=limit, max_array_len=limit, max_map_len=limit,
             max_ext_len=limit,
         )
+    except msgpack.StackError:  # (deeper than msgpack's own stack; its message is empty)
+        raise ProtocolError(f"header nests deeper than {MAX_HEADER_DEPTH} levels") from None
     except Exception as exc:  # msgpack raises many types for corrupt input; all mean the same
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
+        raise ProtocolError(f"header is not valid msgpack: {exc or type(exc).__name__}"
+                            ) from exc
     if not isinstance(obj, dict):
         raise ProtocolError("header must be a msgpack map")
     return obj

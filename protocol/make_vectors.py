@@ -216,6 +216,9 @@ def invalid_streams() -> list[dict[str, Any]]:
     add("header_too_deep", raw_frame(4, base(c=deep)), "nests deeper")
     add("data_sig_too_deep", raw_frame(1, base(d="|u1", h=[1], c=deep), b"\x00"),
         "nests deeper")
+    # (deeper than msgpack's own decoder goes: a decoder that recurses must not crash)
+    add("header_nested_2000_levels", raw_frame(4, b"\x86" + bye[1:] + b"\xa1c"
+                                               + b"\x91" * 2000 + b"\xc0"), "nests deeper")
     # header: fields
     add("missing_field_src", raw_frame(4, body(g=0, q=0, s=0, t=0)), "lacks field 'r'")
     add("missing_field_group_bin_key", raw_frame(

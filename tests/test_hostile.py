@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import LogWatch
 
 from asynccoll.errors import RendezvousError
 from asynccoll.handshake import client_handshake, read_frame, write_frame
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer
-from asynccoll.wire import Frame, FrameHeader, FrameKind, encode_frame_bytes
+from asynccoll.transport.tcp import TcpTransport
+from asynccoll.wire import MAGIC, PREFIX, VERSION, Frame, FrameHeader, FrameKind, encode_frame_bytes
 
 TOKEN = "hostile-test-token"
 VECTORS = Path(__file__).resolve().parents[1] / "protocol" / "vectors" / "rendezvous.json"
@@ -282,3 +284,41 @@ async def test_waits_of_a_client_that_hung_up_give_their_room_back(
             await client.set("x", b"1")
             await client.set("y", b"2")
             assert await asyncio.gather(*waits) == [b"1", b"2"]
+
+
+# ------------------------------------------------------------------------ decoding bombs
+
+def _hello_nested(depth: int) -> bytes:
+    """A HELLO whose header holds ``depth`` nested arrays under ``c``: past msgpack's own
+    stack at 2000."""
+    body = (b"\x86\xa1g\x00\xa1q\x00\xa1s\x00\xa1t\x00\xa1r\x00\xa1c"
+            + b"\x91" * depth + b"\xc0")
+    return PREFIX.pack(MAGIC, VERSION, int(FrameKind.HELLO), 0, len(body), 0) + body
+
+
+@pytest.mark.parametrize("depth", [40, 2000])
+async def test_a_nesting_bomb_before_authentication_is_one_clear_log_line(
+        depth: int, logs: LogWatch) -> None:
+    """A stranger's HELLO nested 40 or 2000 levels deep, at a rank's listener and at the
+    rendezvous: each drops the connection with a WARNING that says the header nests too
+    deep (past msgpack's own stack, 2000 levels, the line said only 'header is not valid
+    msgpack: ', its error having no message)."""
+    transport = TcpTransport(1, 2, token=TOKEN, handshake_timeout=5.0)
+    async with asyncio.timeout(10), RendezvousServer(token=TOKEN) as server:
+        try:
+            rank_port = (await transport.listen("127.0.0.1", 0))[1]
+            for port in (rank_port, server.port):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(_hello_nested(depth))
+                assert await reader.read() == b""  # closed, no reply
+                writer.transport.abort()
+            for _ in range(100):
+                if len(logs.messages()) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            warnings = logs.messages()
+            assert len(warnings) == 2, warnings
+            for line in warnings:
+                assert "dropped" in line and "header nests deeper than 32 levels" in line, line
+        finally:
+            await transport.close()
