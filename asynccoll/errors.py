@@ -68,8 +68,10 @@ class RendezvousError(CollectiveError):
 
 class RendezvousTimeout(RendezvousError, CollectiveTimeout):
     """A world did not form within its ``timeout``: ranks that never joined the rendezvous
-    (the message names them), or too few processes for an elastic generation. Both a
-    ``RendezvousError`` and a ``CollectiveTimeout``."""
+    (the message names them), a rendezvous that could not be reached before it ran out (a
+    port refused or hung up on until then: ``RendezvousClient.connect`` with retries), or too
+    few processes for an elastic generation. Both a ``RendezvousError`` and a
+    ``CollectiveTimeout``."""
 
 
 __all__ += ["RendezvousError", "RendezvousTimeout"]

@@ -1097,12 +1097,6 @@ def test_loopback_addresses() -> None:
 
 # ----------------------------------------------------------------------------------- init
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_every_rank_of_a_world_rank_0_hosts_times_out_alike() -> None:
     """A world of four whose rank 3 never comes, on the rendezvous rank 0 hosts. Rank 0
     joined first, so its wait ended first: it raised ``RendezvousTimeout`` ('never joined:
@@ -1141,3 +1135,34 @@ async def test_every_rank_of_a_world_rank_0_hosts_times_out_alike() -> None:
             assert "rank 0, which hosts the rendezvous, gave up waiting" in message, message
     # the others' own waits would have ended after 8 s: told by rank 0, at about 1 s
     assert elapsed < 5.0, elapsed
+
+
+async def test_a_rank_that_never_reaches_the_rendezvous_of_rank_0_times_out() -> None:
+    """Rank 1 comes after rank 0 gave up and closed the rendezvous it hosted (or rank 0
+    never started): it retried the port until its timeout and raised a plain
+    ``RendezvousError`` ('could not connect ...: connection refused'), no
+    ``CollectiveTimeout``, though the world did not form in time, as on every other rank.
+    It is a ``RendezvousTimeout`` saying what it waited for, and which rendezvous."""
+    from asynccoll.errors import CollectiveTimeout, RendezvousTimeout
+    from asynccoll.transport.tcp import tcp_init
+
+    port = _free_port()  # (nobody listens there)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(RendezvousTimeout) as info:
+        await tcp_init(rank=1, world_size=3, addr="127.0.0.1", port=port, token=TOKEN,
+                       timeout=0.5)
+    assert loop.time() - t0 < 3.0
+    assert isinstance(info.value, CollectiveTimeout)
+    message = str(info.value)
+    assert f"rank 1 could not reach the rendezvous at 127.0.0.1:{port} within 0.5 s" in \
+        message, message
+    assert "rank 0 hosts it" in message, message
+    # a standalone one (ASYNCCOLL_RENDEZVOUS) that does not run there, named as such
+    with pytest.raises(RendezvousTimeout, match="the standalone rendezvous"):
+        await tcp_init(rank=0, world_size=3, rendezvous=f"127.0.0.1:{port}", token=TOKEN,
+                       timeout=0.5)
+    # refused at once (no retry): not a timeout
+    with pytest.raises(RendezvousError) as refused:
+        await RendezvousClient.connect("127.0.0.1", port, connect_retry=False, timeout=5)
+    assert not isinstance(refused.value, CollectiveTimeout)

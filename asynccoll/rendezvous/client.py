@@ -10,7 +10,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import AuthenticationError, ProtocolError, RendezvousError
+from ..errors import AuthenticationError, ProtocolError, RendezvousError, RendezvousTimeout
 from ..handshake import (
     HandshakeClosed,
     client_handshake,
@@ -115,8 +115,10 @@ class RendezvousClient:
 
         Raises:
             AuthenticationError: the token (or job id) does not match the server's.
-            RendezvousError: the server could not be reached, or the handshake failed, within
-                ``timeout``.
+            RendezvousTimeout: (a ``RendezvousError``) with ``connect_retry``, the server
+                could not be reached within ``timeout``: its port refused every try, or hung
+                up during the handshake.
+            RendezvousError: the server could not be reached, or the handshake failed.
             TypeError, ValueError: ``rank`` or ``max_value_bytes`` is not a non-negative int,
                 or ``token`` cannot be a key (``asynccoll.handshake.normalize_token``).
         """
@@ -134,7 +136,7 @@ class RendezvousClient:
                 async with asyncio.timeout_at(deadline):
                     reader, writer = await asyncio.open_connection(host, port)
             except TimeoutError:
-                raise RendezvousError(
+                raise RendezvousTimeout(
                     f"could not connect to the rendezvous server at {address} within "
                     f"{timeout} s") from None
             except OSError as exc:
@@ -143,9 +145,12 @@ class RendezvousClient:
                 # combined OSError("Multiple exceptions: ..."), which has no errno.
                 retry = isinstance(exc, ConnectionError) or (
                     type(exc) is OSError and exc.errno is None)
-                if not (retry and connect_retry) or loop.time() + delay >= deadline:
+                if not (retry and connect_retry):
                     raise RendezvousError(f"could not connect to the rendezvous server at "
                                           f"{address}: {exc}") from exc
+                if loop.time() + delay >= deadline:  # (tried until the end of its timeout)
+                    raise RendezvousTimeout(f"could not connect to the rendezvous server at "
+                                            f"{address} within {timeout} s: {exc}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
                 continue
@@ -164,9 +169,13 @@ class RendezvousClient:
                 # rendezvous closing on the port the next one is about to bind) or not up
                 # yet behind a proxy. Another try, as for a refused connection.
                 await _close_writer(writer, abort=True)
-                if not connect_retry or loop.time() + delay >= deadline:
+                if not connect_retry:
                     raise RendezvousError(f"handshake with the rendezvous server at {address} "
                                           f"failed: {exc}") from exc
+                if loop.time() + delay >= deadline:
+                    raise RendezvousTimeout(f"handshake with the rendezvous server at "
+                                            f"{address} failed: {exc} (tried for {timeout} s)"
+                                            ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
             except (ProtocolError, TimeoutError) as exc:

@@ -356,8 +356,17 @@ async def tcp_init(*, rank: int | None = None, world_size: int | None = None,
     transport: TcpTransport | None = None
     client = None
     try:
-        client = await RendezvousClient.connect(rdv_host, rdv_port, token=token, timeout=wait,
-                                                rank=rank, job=job)
+        try:
+            client = await RendezvousClient.connect(rdv_host, rdv_port, token=token,
+                                                    timeout=wait, rank=rank, job=job)
+        except RendezvousTimeout as exc:
+            where = ("the standalone rendezvous (ASYNCCOLL_RENDEZVOUS) does not run there"
+                     if rendezvous else
+                     "rank 0 hosts it: it was not started, or it gave up waiting for the "
+                     "world and closed it")
+            raise RendezvousTimeout(
+                f"rank {rank} could not reach the rendezvous at {rdv_host}:{rdv_port} within "
+                f"{wait:g} s ({where}): {exc}") from None
         if bind is None:
             bind = _env("ASYNCCOLL_BIND")
         if bind is None:
