@@ -18,13 +18,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import LogWatch
 
 from asynccoll.errors import RendezvousError
 from asynccoll.handshake import client_handshake, read_frame, write_frame
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer
+from asynccoll.transport import tcp
 from asynccoll.transport.tcp import TcpTransport
+from asynccoll.transport.tcp_world import tcp_init
 from asynccoll.wire import MAGIC, PREFIX, VERSION, Frame, FrameHeader, FrameKind, encode_frame_bytes
 
 TOKEN = "hostile-test-token"
@@ -322,3 +325,68 @@ async def test_a_nesting_bomb_before_authentication_is_one_clear_log_line(
                 assert "dropped" in line and "header nests deeper than 32 levels" in line, line
         finally:
             await transport.close()
+
+
+# ------------------------------------------------------------------------ floods
+
+async def test_a_flood_of_silent_connections_holds_max_handshakes_sockets(
+        logs: LogWatch) -> None:
+    """100 connections that never speak, against a rendezvous that takes 8 in their
+    handshake at once: each one past 8 drops the oldest (a WARNING each, naming the limit),
+    so the server holds 8 of them, not 100, until the handshake timeout; a client that
+    comes meanwhile is served."""
+    async with asyncio.timeout(10), RendezvousServer(
+            token=TOKEN, max_handshakes=8, handshake_timeout=5.0) as server:
+        flood = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(100)]
+        async with await connect(server) as client:
+            await client.set("k", b"v")
+            assert await client.get("k") == b"v"
+
+        def dropped(reader: asyncio.StreamReader) -> bool:
+            return reader.at_eof() or reader.exception() is not None
+
+        for _ in range(100):
+            if sum(not dropped(r) for r, _ in flood) <= 8:
+                break
+            await asyncio.sleep(0.02)
+        assert sum(not dropped(r) for r, _ in flood) <= 8
+        assert all(dropped(r) for r, _ in flood[:90])  # the oldest went
+        lines = [m for m in logs.messages() if "max_handshakes" in m]
+        assert len(lines) >= 92, len(lines)
+        for _, w in flood:
+            w.transport.abort()
+
+
+async def test_a_flood_at_a_ranks_listener_holds_a_bounded_number_of_sockets(
+        monkeypatch: pytest.MonkeyPatch, logs: LogWatch) -> None:
+    """100 silent connections at rank 0's peer listener, which takes 8 in their handshake
+    at once here (``MAX_HANDSHAKES`` beyond the world size of 2): it holds at most 8 of
+    them (the oldest went, a WARNING each), and the world goes on, rank 1 dialling rank 0
+    a connection of its own for a large send after the flood."""
+    monkeypatch.setattr(tcp, "MAX_HANDSHAKES", 6, raising=False)
+    async with asyncio.timeout(15), RendezvousServer(token=TOKEN) as server:
+        comms = await asyncio.gather(*(
+            tcp_init(rank=r, world_size=2, addr="127.0.0.1", port=server.port, token=TOKEN,
+                     timeout=10.0, host_rendezvous=False) for r in range(2)))
+        try:
+            transport = comms[0].transport
+            assert isinstance(transport, TcpTransport)
+            host, port = transport.addresses[0]
+            flood = [await asyncio.open_connection(host, port) for _ in range(100)]
+            for _ in range(100):
+                if sum(not (r.at_eof() or r.exception()) for r, _ in flood) <= 8:
+                    break
+                await asyncio.sleep(0.02)
+            assert sum(not (r.at_eof() or r.exception()) for r, _ in flood) <= 8
+            big = np.arange(1 << 18, dtype=np.float64)
+            got, _ = await asyncio.gather(comms[0].recv(1), comms[1].send(big, 0))
+            assert np.array_equal(got, big)
+            sums = await asyncio.gather(*(c.all_reduce(np.ones(4)) for c in comms))
+            assert all(np.array_equal(s, np.full(4, 2.0)) for s in sums)
+            lines = [m for m in logs.messages() if "the most it takes at once" in m]
+            assert len(lines) >= 92, len(lines)
+            for _, w in flood:
+                w.transport.abort()
+        finally:
+            for c in comms:
+                await c.close()

@@ -24,6 +24,8 @@ DEFAULT_MAX_KEYS: Final = 1 << 20
 #: Default limit on the bytes of the keys, values and roster entries a server holds, every
 #: job's together.
 DEFAULT_MAX_STORE_BYTES: Final = 1 << 30
+#: Default limit on the connections in their handshake at once (past it the oldest goes).
+DEFAULT_MAX_HANDSHAKES: Final = 1024
 #: Default limit on the requests waiting at once (``get``, ``wait``, ``roster`` that wait),
 #: every connection's together.
 DEFAULT_MAX_WAITING: Final = 1 << 16

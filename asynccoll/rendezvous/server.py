@@ -16,6 +16,7 @@ from ._common import (
     _I64_MAX,
     _I64_MIN,
     _U32,
+    DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_KEYS,
     DEFAULT_MAX_STORE_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
@@ -114,6 +115,11 @@ class RendezvousServer:
         max_waiting: most requests waiting at once (a ``get`` or ``wait`` for a missing key,
             a ``roster`` for ranks yet to join), every connection's together (default 65536;
             0: none may wait).
+        max_handshakes: most connections in their handshake at once (default 1024; at
+            least 1). A connection past it drops the oldest one still in its handshake (a
+            WARNING says so): strangers that connect and stay silent hold at most this many
+            sockets, and a client whose handshake takes milliseconds is not the oldest
+            (a ``RendezvousClient`` dropped during its handshake tries again).
 
     The three limits bound what authenticated clients make the server hold: a request that
     would pass one is answered with the error code ``limit`` (``RendezvousError`` on the
@@ -137,16 +143,18 @@ class RendezvousServer:
                  max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
                  send_timeout: float = 30.0, max_keys: int = DEFAULT_MAX_KEYS,
                  max_store_bytes: int = DEFAULT_MAX_STORE_BYTES,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING,
+                 max_handshakes: int = DEFAULT_MAX_HANDSHAKES) -> None:
         # a wrong type is a TypeError, a wrong value a ValueError, each naming the argument
         handshake_timeout = resolve_handshake_timeout(handshake_timeout)
         for name, value in (("max_value_bytes", max_value_bytes), ("max_keys", max_keys),
                             ("max_store_bytes", max_store_bytes),
-                            ("max_waiting", max_waiting)):
+                            ("max_waiting", max_waiting), ("max_handshakes", max_handshakes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+            if value < (name == "max_handshakes"):
+                raise ValueError(f"{name} must be >= {int(name == 'max_handshakes')}, "
+                                 f"got {value}")
         if isinstance(send_timeout, bool) or not isinstance(send_timeout, int | float):
             raise TypeError(f"send_timeout must be a number of seconds, got {send_timeout!r}")
         if not 0 < send_timeout < math.inf:
@@ -168,6 +176,9 @@ class RendezvousServer:
         self._max_waiting = max_waiting
         #: requests waiting now (every connection's)
         self._waiting = 0
+        self._max_handshakes = max_handshakes
+        #: the connections in their handshake, oldest first, and where they come from
+        self._handshaking: dict[asyncio.Task[None], str] = {}
         #: the namespace of the empty job id (clients that announce none)
         self.store = Store(usage=self._usage)
         #: every job's namespace, and how many connections of each are open
@@ -279,7 +290,14 @@ class RendezvousServer:
         if self._closing or self._tg is None:
             writer.transport.abort()
             return
-        self._tg.create_task(self._serve_connection(reader, writer))
+        if len(self._handshaking) >= self._max_handshakes:
+            oldest = next(iter(self._handshaking))
+            logger.warning("rendezvous: dropped connection from %s: still in its handshake "
+                           "when %d were (max_handshakes), the oldest",
+                           self._handshaking.pop(oldest), self._max_handshakes)
+            oldest.cancel()
+        task = self._tg.create_task(self._serve_connection(reader, writer))
+        self._handshaking[task] = _peername(writer)
 
     async def _serve_connection(self, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
@@ -295,6 +313,8 @@ class RendezvousServer:
                 logger.warning("rendezvous: dropped connection from %s: %s", peer, exc)
                 abort = isinstance(exc, TimeoutError)
                 return
+            finally:
+                self._handshaking.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             logger.debug("rendezvous: %s connected (role=%s, rank=%s)",
                          peer, hs.peer_role, hs.peer_rank)
             abort = await self._session(reader, writer, peer, hs.peer_job or "")

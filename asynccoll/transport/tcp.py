@@ -113,6 +113,10 @@ HANDSHAKE_TIMEOUT = DEFAULT_HANDSHAKE_TIMEOUT
 #: the staging buffer of a connection until it authenticated (handshake frames are ~100 B;
 #: a longer head makes it grow)
 HANDSHAKE_STAGE_BYTES = 4096
+#: connections a rank accepts in their handshake at once, beyond the world size: one past it
+#: drops the oldest still in its handshake (a peer's takes milliseconds, a silent
+#: stranger's the handshake timeout), so strangers hold a bounded number of its sockets
+MAX_HANDSHAKES = 1024
 #: payloads up to this size are copied behind their header and written in one call
 SMALL_WRITE_BYTES = 16 << 10
 #: collective payloads of at least this size that arrive before their receive is posted
@@ -320,6 +324,7 @@ class _Connection(asyncio.BufferedProtocol):
             transport.write(encode_frame_bytes(self._client.hello()))
         else:
             self._server = ServerHandshake(owner.token, job=owner.job)
+            owner._admit(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer()
@@ -400,6 +405,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.owner._handshaking.pop(self, None)
         if (not self.authenticated and self._server is not None and not self._dropped
                 and not self.owner._closed):
             # the other end gave up on the handshake: as any failed one (SPEC, Failures)
@@ -555,6 +561,7 @@ class _Connection(asyncio.BufferedProtocol):
         return None
 
     def _established(self) -> None:
+        self.owner._handshaking.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -694,6 +701,8 @@ class TcpTransport(Transport):
         # ranks that closed their communicator (sends to them fail; see _connection_lost)
         self._gone: dict[int, PeerLostError] = {}
         self._open: set[_Connection] = set()  # every connection until connection_lost
+        #: the incoming connections in their handshake, oldest first (see _admit)
+        self._handshaking: dict[_Connection, None] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._on_close: list[Callable[[], Any]] = []
         self.polls = True
@@ -705,6 +714,18 @@ class TcpTransport(Transport):
         self.spins = 1 < per_core <= 2
         self.hands_over = per_core >= 2
         self._told_socket_trouble = False
+
+    def _admit(self, conn: _Connection) -> None:
+        """Count ``conn``, just accepted, among those in their handshake; past
+        ``MAX_HANDSHAKES`` beyond the world size, drop the oldest of them."""
+        if len(self._handshaking) >= MAX_HANDSHAKES + self.world_size:
+            oldest = next(iter(self._handshaking))
+            del self._handshaking[oldest]
+            log.warning("rank %d: dropped %s: still in its handshake when %d were (the most "
+                        "it takes at once), the oldest", self.rank, oldest._peername(),
+                        MAX_HANDSHAKES + self.world_size)
+            oldest._abort()
+        self._handshaking[conn] = None
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting peer connections; returns the bound (host, port)."""
