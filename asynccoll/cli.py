@@ -45,8 +45,10 @@ NODES_BEAT_SECONDS = 1.0
 #: seconds without a sign of life after which node 0 stops waiting for a node's launcher
 NODES_STALE_SECONDS = 30.0
 #: seconds without a sign of life, while node 0's ranks run, after which node 0 counts a
-#: node's launcher lost (killed, or its machine gone) and stops the job
-NODES_LOST_SECONDS = 5 * NODES_BEAT_SECONDS
+#: node's launcher whose connection to its rendezvous closed lost (killed, crashed) and
+#: stops the job; one whose connection is open (stopped, blocked on its output, or its
+#: machine gone) it counts lost after NODES_STALE_SECONDS
+NODES_LOST_SECONDS = 3 * NODES_BEAT_SECONDS
 #: seconds node 0 waits, at the end of an elastic job, for the others to read its totals
 NODES_ACK_SECONDS = 10.0
 #: seconds the launcher waits, after a rank failed because another rank did (its record in
@@ -251,13 +253,22 @@ def _shape_text(shape: dict[str, Any]) -> str:
 def _failure_text(failed: dict[str, Any]) -> str:
     """What another node's launcher said went wrong (its record under ``launch/failed``)."""
     if failed.get("lost") is not None:
-        return (f"node {failed['lost']}'s launcher gave no sign of life for "
-                f"{failed.get('after', NODES_LOST_SECONDS):g} s (killed, or its machine gone)")
+        return _lost_text(int(failed["lost"]), bool(failed.get("gone")))
     if failed["rank"] is None:
         return f"the launcher of node {failed['node']} was interrupted"
     why = f" (its error came from rank {failed['from']})" if "from" in failed else ""
     return (f"rank {failed['rank']} (node {failed['node']}) exited with code "
             f"{failed['code']}{why}")
+
+
+def _lost_text(node: int, gone: bool) -> str:
+    """Why node 0 counted ``node``'s launcher lost while its ranks ran: ``gone``, its
+    connection closed (the process is gone), else no sign of life for NODES_STALE_SECONDS."""
+    if gone:
+        return (f"node {node}'s launcher is gone (its connection to node 0 closed, and it gave "
+                f"no sign of life for {NODES_LOST_SECONDS:g} s: killed, or crashed)")
+    return (f"node {node}'s launcher gave no sign of life for {NODES_STALE_SECONDS:g} s (its "
+            f"machine gone, or cut off)")
 
 
 class _Launcher:
@@ -278,6 +289,12 @@ class _Launcher:
         self.stopped_for_lost = False
         #: node 0: the nodes whose launchers it stopped waiting for (no sign of life)
         self.nodes_gone: set[int] = set()
+        #: node 0: the rendezvous it hosts
+        self.server: Any = None
+        #: several nodes, not node 0: a connection to node 0's rendezvous in a job id of its
+        #: own (``_presence_job``), open as long as this launcher lives: node 0 sees it close
+        #: when this launcher dies (``_watch_beats``)
+        self.presence: Any = None
         #: (min_nodes, max_nodes) in elastic mode: a failed rank does not stop the others
         self.elastic = elastic
         self.restarts_left = max_restarts
@@ -557,11 +574,12 @@ class _Launcher:
 
     # -- several nodes ----------------------------------------------------------------------
 
-    async def _tell_nodes(self, rank: int | None, code: int,
-                          came_from: int | None = None, lost: int | None = None) -> None:
+    async def _tell_nodes(self, rank: int | None, code: int, came_from: int | None = None,
+                          lost: int | None = None, gone: bool = False) -> None:
         """Several nodes: tell the other launchers that ``rank`` of this node failed with
         ``code`` (None: the launcher was interrupted, or, with ``lost``, node 0 lost that
-        node's launcher), unless a failure is known already. ``came_from``: the rank its
+        node's launcher; ``gone``, its connection closed), unless a failure is known
+        already. ``came_from``: the rank its
         failure came from (a victim blamed when no culprit came in time). A failure of a
         rank's own replaces a victim's record, so that every node blames the same rank (see
         ``_final_blame``)."""
@@ -571,7 +589,7 @@ class _Launcher:
         if came_from is not None:
             mine["from"] = came_from
         if lost is not None:
-            mine["lost"], mine["after"] = lost, NODES_LOST_SECONDS
+            mine["lost"], mine["gone"] = lost, gone
         record, key = json.dumps(mine), f"{NODES_PREFIX}/failed"
         try:
             swapped, there = await self._ask(self.client.compare_set(key, None, record))
@@ -618,19 +636,27 @@ class _Launcher:
                 await self.stop()
             return
 
+    @staticmethod
+    def _presence_job(node: int) -> str:
+        """The job id of the connection by which ``node``'s launcher shows it lives."""
+        return f"{NODES_PREFIX}/node/{node}"
+
     async def _watch_beats(self) -> None:
-        """Node 0, not elastic, while its ranks run: count another node's launcher lost once
-        its heartbeat has not moved for NODES_LOST_SECONDS (SIGKILL, its machine gone; the
-        kernel takes its ranks with it, and this node's ranks may not notice: none in a
-        collective with them), and then stop this node's ranks and tell the other nodes.
-        A node whose ranks ended (``done``), or whose launcher has given no beat yet (not
-        started its ranks), is not watched."""
+        """Node 0, not elastic, while its ranks run: count another node's launcher lost, then
+        stop this node's ranks and tell the other nodes, once its heartbeat has not moved
+        for NODES_LOST_SECONDS and its connection to this rendezvous (``presence``) closed
+        (SIGKILL, a crash: the kernel took its ranks with it, and this node's ranks may not
+        notice, none being in a collective with them), or for NODES_STALE_SECONDS with the
+        connection open (its machine gone; a launcher stopped or blocked on its output for
+        a while is not lost). A node whose ranks ended (``done``), or whose launcher has
+        given no beat yet (not started its ranks), is not watched."""
         c = self.client
         loop = asyncio.get_running_loop()
         seen: dict[int, tuple[bytes, float]] = {}  # node: (last beat, when it changed)
+        present: set[int] = set()  # nodes whose launcher's presence node 0 has seen
         while True:
             await asyncio.sleep(NODES_POLL_SECONDS)
-            lost = None
+            lost, gone = None, False
             try:
                 for k in sorted(set(range(1, self.nnodes)) - self.nodes_gone):
                     try:
@@ -639,12 +665,18 @@ class _Launcher:
                     except KeyError:
                         pass
                     beat, now = await self._beat(k), loop.time()
+                    there = self.server is not None and self._presence_job(k) in self.server.jobs
+                    if there:
+                        present.add(k)
                     last = seen.get(k)
                     if beat is None:
                         continue
                     if last is None or last[0] != beat:
                         seen[k] = (beat, now)
-                    elif now - last[1] > NODES_LOST_SECONDS:
+                        continue
+                    silent = now - last[1]
+                    gone = k in present and not there
+                    if (gone and silent > NODES_LOST_SECONDS) or silent > NODES_STALE_SECONDS:
                         lost = k
                         break
             except Exception:  # (its own rendezvous not answering: _watch_nodes says so)
@@ -655,10 +687,10 @@ class _Launcher:
             if lost is not None:
                 self.nodes_gone.add(lost)
                 self.first_failure = (-1, 1)
-                self._say(f"asynccoll run: node {lost}'s launcher gave no sign of life for "
-                          f"{NODES_LOST_SECONDS:g} s (killed, or its machine gone); stopping "
-                          f"this node's ranks\n")
-                await asyncio.gather(self.stop(), self._tell_nodes(None, 1, lost=lost))
+                self._say(f"asynccoll run: {_lost_text(lost, gone)}; stopping this node's "
+                          f"ranks\n")
+                await asyncio.gather(self.stop(),
+                                     self._tell_nodes(None, 1, lost=lost, gone=gone))
                 return
 
     async def _ask(self, call: Any) -> Any:
@@ -979,6 +1011,7 @@ class _Launcher:
                 self._say(f"asynccoll run: cannot start the rendezvous server on "
                           f"{self.bind}:{self.port}: {exc}\n")
                 return 1
+            self.server = server
         rdv_port = server.port if server is not None else self.port
         try:
             if self.nnodes > 1:
@@ -993,6 +1026,8 @@ class _Launcher:
         finally:
             if self.hold is not None:
                 await self.hold.close()
+            if self.presence is not None:
+                await self.presence.close()
             if self.client is not None:
                 await self.client.close()
             if server is not None:
@@ -1031,6 +1066,15 @@ class _Launcher:
             if code != 2:  # (the job failed: this node's part of it is over)
                 await self._end_nodes()
             return code
+        if self.node_rank != 0:
+            from .rendezvous import RendezvousClient
+
+            try:
+                self.presence = await RendezvousClient.connect(
+                    self.addr, self.port, token=self.token,
+                    job=self._presence_job(self.node_rank), timeout=NODES_CALL_SECONDS)
+            except Exception as exc:  # (node 0 then counts it lost only once it is silent)
+                log.warning("could not show node 0 that this launcher lives: %s", exc)
         return None
 
     def _note_interrupt(self, sig: int) -> None:

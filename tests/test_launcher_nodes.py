@@ -144,7 +144,8 @@ def test_a_launcher_killed_while_node_0s_ranks_run_stops_node_0_promptly(
     would tell node 0's ranks). The kernel kills node 1's ranks with it; node 0's launcher
     watched the other launchers' heartbeats only once its own ranks ended, so its ranks slept
     on (60 s here, for ever in a job that waits on something else). It now stops them within
-    a few heartbeats, exits 1, and names the lost node."""
+    a few heartbeats of the launcher's connection closing, exits 1, and names the lost
+    node."""
     port = free_fixed_port()
     first, second = sleeping_nodes(reaper, port)
     second.popen.kill()
@@ -153,9 +154,34 @@ def test_a_launcher_killed_while_node_0s_ranks_run_stops_node_0_promptly(
     began = time.monotonic()
     assert first.finish(20) == 1, first.output
     assert time.monotonic() - began < 15, first.output
-    assert ("asynccoll run: node 1's launcher gave no sign of life for 5 s (killed, or its "
-            "machine gone); stopping this node's ranks") in first.output, first.output
+    assert ("asynccoll run: node 1's launcher is gone (its connection to node 0 closed, and "
+            "it gave no sign of life for 3 s: killed, or crashed); stopping this node's ranks"
+            ) in first.output, first.output
     assert_all_gone(first.child_pids())
+
+
+def test_a_launcher_stopped_a_while_does_not_stop_the_job(reaper: Callable[..., Proc]) -> None:
+    """Node 1's launcher stopped for 8 s while every rank sleeps (Ctrl-Z, a pager that does
+    not read its output, a busy machine): it gives no sign of life meanwhile, but its
+    process, and its connection to node 0's rendezvous, are still there. Node 0 stopped the
+    job as for a killed launcher (5 s without a heartbeat, 6fb2b56). A launcher whose
+    connection is open is only counted lost after 30 s (its machine gone); the job goes on,
+    and ends as usual (here: Ctrl-C to node 1, once it runs again)."""
+    port = free_fixed_port()
+    first, second = sleeping_nodes(reaper, port)
+    second.popen.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(8.0)
+        assert first.popen.poll() is None, first.output
+        assert "no sign of life" not in first.output, first.output
+    finally:
+        second.popen.send_signal(signal.SIGCONT)
+    time.sleep(1.0)
+    second.popen.send_signal(signal.SIGINT)
+    assert second.finish(30) == 130, second.output
+    assert first.finish(30) == 130, first.output
+    assert "the launcher of node 1 was interrupted" in first.output, first.output
+    assert_all_gone(first.child_pids() + second.child_pids())
 
 
 def test_a_second_launcher_for_a_node_rank_is_refused(reaper: Callable[..., Proc]) -> None:
