@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from conftest import LogWatch
 
-from asynccoll.errors import RendezvousError
-from asynccoll.handshake import client_handshake, read_frame, write_frame
+from asynccoll.errors import AuthenticationError, RendezvousError
+from asynccoll.handshake import ClientHandshake, client_handshake, read_frame, write_frame
 from asynccoll.rendezvous import RendezvousClient, RendezvousServer
 from asynccoll.transport import tcp
 from asynccoll.transport.tcp import TcpTransport
@@ -92,6 +92,11 @@ def request(rid: int, op: str, payload: bytes = b"", **args: Any) -> Frame:
     return Frame(FrameKind.REQUEST, FrameHeader(meta={"id": rid, "op": op, **args}), payload)
 
 
+def meta_of(frame: Frame) -> dict[str, Any]:
+    assert frame.header.meta is not None
+    return frame.header.meta
+
+
 async def raw_client(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """An authenticated connection that sends and reads frames as the test says."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -126,24 +131,25 @@ async def test_requests_waiting_for_one_large_value_cost_one_copy_of_it(
             write_frame(writer, request(rid, "get", key="big", timeout=30))
         await writer.drain()
         before = standalone.memory_mib("VmRSS")
-        writer.transport.pause_reading()  # (this side reads nothing until told)
+        raw = writer.transport
+        assert isinstance(raw, asyncio.Transport)
+        raw.pause_reading()  # (this side reads nothing until told)
         write_frame(writer, request(waiting, "set", b"x" * size, key="big"))
         await writer.drain()
         # until another connection sees the key, then a little longer: the server has run
         # the requests the set woke
         for _ in range(250):
-            if (await roundtrip(standalone.port, request(1, "num_keys"))
-                    ).header.meta["count"] == 1:
+            if meta_of(await roundtrip(standalone.port, request(1, "num_keys")))["count"] == 1:
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)
         grown = standalone.memory_mib("VmHWM") - before
         assert grown < 5 * size / (1 << 20), f"the server grew by {grown:.0f} MiB"
-        writer.transport.resume_reading()
+        raw.resume_reading()
         answers = [await read_frame(reader, 1 << 30) for _ in range(waiting + 1)]
-        got = {f.header.meta["id"]: f for f in answers if f is not None}
+        got = {meta_of(f)["id"]: f for f in answers if f is not None}
         assert sorted(got) == list(range(waiting + 1))
-        assert all(got[rid].header.meta["found"] and len(got[rid].payload) == size
+        assert all(meta_of(got[rid])["found"] and len(got[rid].payload) == size
                    for rid in range(waiting))
         writer.transport.abort()
 
@@ -387,6 +393,73 @@ async def test_a_flood_at_a_ranks_listener_holds_a_bounded_number_of_sockets(
             assert len(lines) >= 92, len(lines)
             for _, w in flood:
                 w.transport.abort()
+        finally:
+            for c in comms:
+                await c.close()
+
+
+# ------------------------------------------------------------------------ pretenders
+
+async def replay(port: int, frames: list[bytes]) -> list[Frame]:
+    """Send ``frames`` one at a time, each after the server's answer to the one before;
+    return what the server sent before it closed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    got: list[Frame] = []
+    try:
+        for data in frames:
+            writer.write(data)
+            frame = await read_frame(reader, 0)
+            if frame is None:
+                break
+            got.append(frame)
+        assert await reader.read() == b""
+    finally:
+        writer.transport.abort()
+    return got
+
+
+async def test_a_replayed_handshake_and_false_ranks_are_refused_and_the_world_goes_on(
+        logs: LogWatch) -> None:
+    """A stranger that recorded a whole handshake (HELLO and PROOF, made with the token)
+    replays it to the rendezvous and to a rank: the server's fresh nonce makes the old
+    proof wrong, 'authentication failed', nothing served. Clients that know the token and
+    claim a rank out of range or the rank's own are refused with their reason (one that
+    claims a connected rank: tests/test_tcp.py). Meanwhile the world of two works on."""
+    async with asyncio.timeout(15), RendezvousServer(token=TOKEN) as server:
+        comms = await asyncio.gather(*(
+            tcp_init(rank=r, world_size=2, addr="127.0.0.1", port=server.port, token=TOKEN,
+                     timeout=10.0, host_rendezvous=False) for r in range(2)))
+        try:
+            transport = comms[0].transport
+            assert isinstance(transport, TcpTransport)
+            rank_port = transport.addresses[0][1]
+            # a legitimate exchange, as a listener on the wire would record it
+            hs = ClientHandshake(TOKEN, role="peer", rank=1, job=transport.job)
+            hello = encode_frame_bytes(hs.hello())
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(hello)
+            challenge = await read_frame(reader, 0)
+            assert challenge is not None
+            proof = encode_frame_bytes(hs.on_challenge(challenge))
+            writer.write(proof)
+            welcome = await read_frame(reader, 0)
+            assert welcome is not None and hs.on_result(welcome) == {"max_value_bytes": 64 << 20}
+            writer.transport.abort()
+            for port in (server.port, rank_port):
+                got = await replay(port, [hello, proof])
+                assert [f.kind for f in got] == [FrameKind.CHALLENGE, FrameKind.REJECT]
+                assert got[1].header.meta == {"reason": "authentication failed"}
+            for rank, reason in ((2, "rank 2 is not a peer of this world"),
+                                 ((1 << 32) - 1, "rank 4294967295 is not a peer of this world"),
+                                 (0, "rank 0 is not a peer of this world")):
+                reader, writer = await asyncio.open_connection("127.0.0.1", rank_port)
+                with pytest.raises(AuthenticationError, match=reason):
+                    await client_handshake(reader, writer, TOKEN, role="peer", rank=rank,
+                                           job=transport.job, timeout=5)
+                writer.transport.abort()
+            sums = await asyncio.gather(*(c.all_reduce(np.ones(3)) for c in comms))
+            assert all(np.array_equal(s, np.full(3, 2.0)) for s in sums)
+            assert sum("authentication failed" in m for m in logs.messages()) >= 2
         finally:
             for c in comms:
                 await c.close()
