@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -1009,7 +1010,7 @@ class _Launcher:
                 await server.start()
             except OSError as exc:
                 self._say(f"asynccoll run: cannot start the rendezvous server on "
-                          f"{self.bind}:{self.port}: {exc}\n")
+                          f"{self.bind}:{self.port}: {self._bind_error(exc)}\n")
                 return 1
             self.server = server
         rdv_port = server.port if server is not None else self.port
@@ -1032,6 +1033,19 @@ class _Launcher:
                 await self.client.close()
             if server is not None:
                 await server.close()
+
+    def _bind_error(self, exc: OSError) -> str:
+        """Why node 0's rendezvous could not bind, and what to change (asyncio's message
+        says neither)."""
+        if exc.errno == errno.EADDRINUSE:
+            which = ("node 0's launcher of this job started twice, or another job's; give "
+                     "another --port" if self.nnodes > 1 else
+                     "give another --port, or none (a free one)")
+            return f"address already in use (another program listens there: {which})"
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return ("address not available (--bind, else --addr, must be an address of this "
+                    "machine)")
+        return str(exc)
 
     async def _hold_job(self, rdv_port: int) -> int | None:
         """Elastic, before this node's processes start: connect to the rendezvous (node 0's)

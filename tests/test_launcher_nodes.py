@@ -201,6 +201,30 @@ def test_a_second_launcher_for_a_node_rank_is_refused(reaper: Callable[..., Proc
     assert first.finish(30) == 130, first.output
 
 
+@pytest.mark.parametrize("nodes", [[], ["--nnodes", "2", "--node-rank", "0"]],
+                         ids=["one-node", "node-0"])
+def test_a_launcher_on_a_port_in_use_says_what_to_change(reaper: Callable[..., Proc],
+                                                         nodes: list[str]) -> None:
+    """``--port`` of a port where another program listens (node 0's launcher started twice,
+    another job's): the launcher said asyncio's 'error while attempting to bind on address
+    ('127.0.0.1', P): address already in use', with neither what listens there may be nor
+    what to change. One line that says both; exit 1, nothing started."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = reaper(launcher("-n", "1", *nodes, "--port", str(port), SCRIPT, "check"),
+                      clean_env(ASYNCCOLL_TOKEN="two-node-secret"))
+        assert proc.finish(20) == 1, proc.output
+    which = ("node 0's launcher of this job started twice, or another job's; give another "
+             "--port" if nodes else "give another --port, or none (a free one)")
+    assert proc.lines == [
+        f"asynccoll run: cannot start the rendezvous server on 127.0.0.1:{port}: address "
+        f"already in use (another program listens there: {which})"], proc.output
+
+
 def test_a_node_started_with_other_sizes_is_refused(reaper: Callable[..., Proc]) -> None:
     """Node 1's launcher with -n 3 where node 0's has -n 2: refused before it starts a rank,
     naming both (its ranks failed on a world size that did not match)."""
