@@ -462,3 +462,62 @@ async def test_a_replayed_handshake_and_false_ranks_are_refused_and_the_world_go
         finally:
             for c in comms:
                 await c.close()
+
+
+def test_the_store_counts_what_it_holds_exactly() -> None:
+    """Random set, add, compare_set, delete, join, leave and bump on two stores sharing one
+    ``Usage``: what it counts is always what they hold (keys and roster entries; bytes of
+    keys, values, hosts and packed metas), refused changes change nothing, and releasing
+    both stores gives everything back."""
+    import random
+
+    import msgpack
+
+    from asynccoll.rendezvous._common import _OpError
+    from asynccoll.rendezvous.store import Store, Usage
+
+    usage = Usage(max_keys=40, max_bytes=600)
+    stores = [Store(usage=usage), Store(usage=usage)]
+    rng = random.Random(7)
+
+    def held() -> tuple[int, int]:
+        keys = sum(len(s.data) + len(s.members) for s in stores)
+        nbytes = sum(sum(len(k.encode()) + len(v) for k, v in s.data.items())
+                     + sum(len(m.host.encode()) + len(msgpack.packb(m.meta))
+                           for m in s.members.values()) for s in stores)
+        return keys, nbytes
+
+    refused = 0
+    for _ in range(3000):
+        store = rng.choice(stores)
+        key = rng.choice("abcdefghijklmnopqrstuvwxyz") * rng.randint(1, 3)
+        before = held(), {k: dict(s.data) for k, s in enumerate(stores)}
+        try:
+            op = rng.randrange(7)
+            if op == 0:
+                store.set(key, b"v" * rng.randint(0, 40))
+            elif op == 1:
+                store.add(key, rng.randint(-5, 5))
+            elif op == 2:
+                store.compare_set(key, store.data.get(key), b"w" * rng.randint(0, 20))
+            elif op == 3:
+                store.delete(key)
+            elif op == 4:
+                store.join(rng.randint(0, 9), "h" * rng.randint(1, 15), 1,
+                           {"x": "y" * rng.randint(0, 10)}, owner=rng.randint(1, 3),
+                           live={1, 2} if rng.random() < 0.5 else None)
+            elif op == 5:
+                store.leave(rng.randint(0, 9))
+            else:
+                store.bump(None)
+        except _OpError as exc:
+            assert exc.code in ("limit", "not_integer"), exc
+            refused += exc.code == "limit"
+            if op != 4:  # (a join may clear the roster of a world that is over, then fail)
+                assert (held(), {k: dict(s.data) for k, s in enumerate(stores)}) == before
+        assert (usage.keys, usage.nbytes) == held()
+        assert usage.keys <= 40 and usage.nbytes <= 600
+    assert refused > 50  # (the limits were met, often)
+    for store in stores:
+        store.release()
+    assert (usage.keys, usage.nbytes) == (0, 0)
