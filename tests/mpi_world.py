@@ -565,3 +565,115 @@ async def test_mpi_a_call_refused_by_a_broken_world_names_itself() -> None:
         for name, text in zip(("all_reduce", "send"), texts, strict=True):
             assert text.startswith(f"{name}: the communicator is broken: "), text
             assert "all_gather(" in text, text  # (what broke it)
+
+
+async def test_mpi_a_rank_that_closed_the_world_fails_the_others_calls_at_once() -> None:
+    """As on tcp, a rank that closed its world communicator with nothing in flight tells the
+    others: their calls that need it from then on (a collective it never started, a recv
+    beyond the messages it sent, a send to it) raise PeerLostError naming it at once, while
+    what it took part in (a broadcast it rooted, a message it sent) still completes. They used
+    to wait for their whole timeout (CollectiveTimeout)."""
+    async def fn(comm: Communicator) -> list[tuple[str, str, Any, float]]:
+        await comm.barrier()
+        out: list[tuple[str, str, Any, float]] = []
+        if comm.rank == 2:
+            await comm.broadcast(np.full(3, 7.0), root=2)  # (done here before the others call)
+            await comm.send(np.arange(3.0), 0, tag=4)
+            await comm.close()
+            return out
+        await asyncio.sleep(0.3)
+
+        async def record(call: Any) -> None:
+            t0 = time.monotonic()
+            try:
+                got = await call
+                out.append(("ok", str(np.asarray(got).tolist()), None, time.monotonic() - t0))
+            except CollectiveError as exc:
+                out.append((type(exc).__name__, str(exc), getattr(exc, "rank", None),
+                            time.monotonic() - t0))
+
+        await record(comm.broadcast(np.zeros(3), root=2))
+        if comm.rank == 0:
+            await record(comm.recv(2, tag=4))
+            await record(comm.recv(2, tag=4))  # (these two fail without breaking the world)
+            await record(comm.send(np.ones(2), 2))
+        else:
+            await asyncio.sleep(0.3)  # (rank 0's all_reduce breaks the world: after those)
+        await record(comm.all_reduce(np.ones(2)))
+        return out
+
+    got = await run_world(fn, W, "mpi", timeout=8.0)
+    assert got[2] == []
+    assert got[0][0][:2] == got[1][0][:2] == ("ok", "[7.0, 7.0, 7.0]"), got
+    assert got[0][1][:2] == ("ok", "[0.0, 1.0, 2.0]"), got[0]
+    for r, results in ((0, got[0][2:]), (1, got[1][1:])):
+        assert len(results) == (3 if r == 0 else 1), results
+        for name, text, rank, dt in results:
+            assert name == "PeerLostError" and rank == 2, f"rank {r}: {name}: {text}"
+            assert "world rank 2 has closed its communicator" in text, f"rank {r}: {text}"
+            assert dt < 1.5, f"rank {r} waited {dt:.1f} s: {text}"
+
+
+async def test_mpi_a_group_closed_by_a_member_fails_the_others_calls_at_once() -> None:
+    """As on memory and tcp, a member that closed a group tells the other members: their
+    collectives of the group that it never started raise CollectiveError naming it at once,
+    and so do their recvs from it beyond what it sent and their sends to it; its own recv in
+    flight raises CommunicatorClosedError; the world goes on. The others used to wait for
+    their timeout, which broke the world, and the recv waited on."""
+    async def fn(comm: Communicator) -> tuple[list[tuple[str, str, float]], list[float]]:
+        sub = await comm.new_group([2, 0, 1])  # world rank 2 is group rank 0
+        assert sub is not None
+        await comm.barrier()
+        out: list[tuple[str, str, float]] = []
+
+        async def record(call: Any) -> None:
+            t0 = time.monotonic()
+            try:
+                got = await call
+                out.append(("ok", str(np.asarray(got).tolist()), time.monotonic() - t0))
+            except CollectiveError as exc:
+                out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+
+        if comm.rank == 2:
+            await sub.broadcast(np.full(2, 5.0), root=0)
+            await sub.send(np.arange(2.0), 1, tag=3)  # to world rank 0
+            waiting = asyncio.ensure_future(sub.recv(2, tag=9))  # world rank 1 never sends
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            await sub.close()
+            try:
+                await waiting
+            except CollectiveError as exc:
+                out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+        else:
+            await asyncio.sleep(0.3)
+            await record(sub.broadcast(np.zeros(2), root=0))
+            if comm.rank == 0:
+                await record(sub.recv(0, tag=3))
+                await record(sub.recv(0, tag=3))
+                await record(sub.send(np.ones(2), 0))
+            await record(sub.barrier())
+            await record(sub.all_reduce(np.ones(2)))
+            await sub.close()
+        world = await comm.all_reduce(np.ones(2))
+        return out, world.tolist()
+
+    got = await run_world(fn, W, "mpi", timeout=8.0)
+    for r in range(W):
+        assert got[r][1] == [3.0, 3.0], f"rank {r}: the world is not usable: {got[r]}"
+    (name, text, dt), = got[2][0]
+    assert name == "CommunicatorClosedError" and dt < 0.5, got[2][0]
+    assert got[0][0][0][:2] == got[1][0][0][:2] == ("ok", "[5.0, 5.0]"), got
+    assert got[0][0][1][:2] == ("ok", "[0.0, 1.0]"), got[0]
+    for r, results in ((0, got[0][0][2:]), (1, got[1][0][1:])):
+        assert len(results) == (4 if r == 0 else 2), results
+        for name, text, dt in results:
+            assert name == "CollectiveError", f"rank {r}: {name}: {text}"
+            assert text.endswith("world rank 2 closed the group"), f"rank {r}: {text}"
+            assert dt < 1.5, f"rank {r} waited {dt:.1f} s: {text}"
+        barrier, reduce = results[-2:]
+        where = "of the group of world ranks [2, 0, 1]): "
+        assert barrier[1].startswith(f"barrier() on group rank {r + 1} (sequence number 1 "
+                                     f"{where}"), barrier[1]
+        assert reduce[1].startswith(f"all_reduce(<f8, (2,), sum) on group rank {r + 1} "
+                                    f"(sequence number 2 {where}"), reduce[1]

@@ -36,6 +36,11 @@ Guarantees (see ``docs/backends/mpi.md``)
 * A rank that fails (timeout, cancellation, an error) tells the others over ``ctrl``: their
   waits raise ``CollectiveError`` promptly. A rank that *dies* is MPI's
   business: ``mpirun`` normally ends the whole job.
+* A rank that closes the world with nothing in flight, or a group, tells the others over
+  ``ctrl`` how many collectives it started on each communicator they share (``cid``: the
+  same on every member) and how many messages it sent them (``MpiWorld.tell_closed``):
+  their calls that need it beyond those raise at once, as on tcp (``PeerLostError`` for a
+  closed world, ``CollectiveError`` "world rank r closed the group" for a group).
 * ``send`` copies the array and returns at once (it never waits for the receiver); ``recv``
   reads a small header (tag, dtype, shape) then the payload.
 """
@@ -93,6 +98,8 @@ from .mpi_world import (
     _free,
     _from_header,
     _header,
+    closed_group,
+    closed_scope,
     import_mpi,
     keep_pending,
     mpi_launched,
@@ -138,12 +145,15 @@ def _later(world: MpiWorld, timeout: float, error: Callable[[], CollectiveError]
 
 
 async def _poll(done: Callable[[], bool], deadline: float, world: MpiWorld, timeout: float,
-                error: Callable[[], CollectiveError], spin: float) -> float:
+                error: Callable[[], CollectiveError], spin: float,
+                check: Callable[[], None] | None = None) -> float:
     """``poll`` until ``done()``, with the deadline moving on as the world progresses; notes
-    the progress; returns the deadline."""
+    the progress; returns the deadline. ``check``: what ends the wait early (default: the
+    world broke or was closed)."""
     while True:
         try:
-            await poll(done, deadline=deadline, check=world.check, on_timeout=_Expired, spin=spin)
+            await poll(done, deadline=deadline, check=check or world.check, on_timeout=_Expired,
+                       spin=spin)
         except _Expired:
             deadline = _later(world, timeout, error)
             continue
@@ -174,8 +184,17 @@ class _Op:
                     await comm._turns[s].wait(self.ticket)
             except TimeoutError:
                 self.deadline = _later(comm._world, comm.timeout, self.timeout_error)
-        comm._world.check()
+        self.check()
         return comm._stage_comms[s]
+
+    def check(self) -> None:
+        """Raise if the world broke or was closed, or a member closed the world or this
+        group before starting this collective (it never will)."""
+        comm = self.comm
+        comm._world.check()
+        err = comm._world.closed_error(comm.cid, comm._ranks, self.ticket)
+        if err is not None:
+            raise err
 
     def issued(self, s: int) -> None:
         """Everything this collective puts on stage ``s`` was issued."""
@@ -199,7 +218,7 @@ class _Op:
                 raise failed_in("MPI", self.sig, comm._rank, exc) from exc
 
         self.deadline = await _poll(done, self.deadline, comm._world, comm.timeout,
-                                    self.timeout_error, WAIT_SPIN_SECONDS)
+                                    self.timeout_error, WAIT_SPIN_SECONDS, self.check)
 
     def timeout_error(self) -> CollectiveTimeout:
         comm = self.comm
@@ -222,7 +241,8 @@ class MpiCommunicator(Communicator):
 
     def __init__(self, world: MpiWorld, comms: Sequence[Any], *, ranks: Sequence[int],
                  timeout: float = 60.0, tuning: Tuning | None = None,
-                 check_signatures: bool = True, owns_world: bool = False) -> None:
+                 check_signatures: bool = True, owns_world: bool = False,
+                 cid: str = "w") -> None:
         # Deliberately not Communicator.__init__: there is no Transport under this one. These
         # are the attributes the base class's helpers and properties read.
         stage0, stage1, meta, p2p = comms
@@ -247,6 +267,20 @@ class MpiCommunicator(Communicator):
         self._turns = (Turns(), Turns())
         self._p2p_waiting: dict[tuple[int, int], deque[asyncio.Future[Any]]] = {}
         self._p2p_status = world.mpi.Status()
+        #: messages sent to / headers received from each group rank (what a notice of
+        #: closing says, and what it is compared with: ``MpiWorld.closed_peer``)
+        self._p2p_sent: dict[int, int] = {}
+        self._p2p_got: dict[int, int] = {}
+        #: a collective of this communicator failed without breaking the world (a member
+        #: closed the group): MPI may still use its communicators, which are never freed
+        self._keep = False
+        #: this communicator's id, the same on every member: ``"w"`` for the world, then the
+        #: parent's id and the ticket of the ``new_group`` that made it
+        self.cid = cid
+        #: collectives started (``_tickets``, kept where the world's notice of closing, or of
+        #: ending unclosed, reads it: ``MpiWorld.records``)
+        self._started = [0]
+        world.records[cid] = (self._ranks, self._started, self._p2p_sent)
         #: collectives and receives in progress: a group closed under them frees its MPI
         #: communicators after the last one (as on the other backends, they go on)
         self._calls = 0
@@ -295,11 +329,13 @@ class MpiCommunicator(Communicator):
         loop = asyncio.get_running_loop()
         ticket = self._tickets
         self._tickets += 1
+        self._started[0] = self._tickets
         op = _Op(self, ticket, sig, loop.time() + self.timeout)
         self._begin()
         try:
             with Failures(sig, self._rank, "MPI", self._mpi.Exception,
                           functools.partial(self._fail, op), self._where, ticket):
+                op.check()  # (a member that closed the world or this group: at once)
                 rows = None
                 checking = check or self.check_signatures
                 if checking or meta:
@@ -331,7 +367,9 @@ class MpiCommunicator(Communicator):
         pending = [(r, k) for r, k in op.reqs if r]
         if pending:
             self._world.abandon([r for r, _ in pending], tuple(k for _, k in pending))
-        self._world.abort(err)
+            self._keep = True
+        if closed_scope(err) != "group":  # (a member closed the group: that group only)
+            self._world.abort(err)
 
     async def _mismatch(self, op: _Op, rows: np.ndarray) -> None:
         """Signatures differ: every rank of the group gets here for this ticket. Exchange
@@ -668,6 +706,9 @@ class MpiCommunicator(Communicator):
         if dst == self._rank:
             raise ValueError("send to self is not supported")
         self._check_open("send")
+        gone = self._world.closed_peer(self.cid, self._ranks[dst])
+        if gone is not None:  # (as on tcp: the send fails, nothing else breaks)
+            raise gone
         mpi = self._mpi
         head = bytearray(msgpack.packb([tag, dtype_code(a.dtype), list(a.shape)]))
         data = a.copy()
@@ -679,6 +720,7 @@ class MpiCommunicator(Communicator):
             self._world.abort(err)
             raise err from exc
         self._world.bytes_sent += data.nbytes
+        self._p2p_sent[dst] = self._p2p_sent.get(dst, 0) + 1
         self._world.add_send(reqs, (head, data))
 
     def _pump(self) -> None:
@@ -688,6 +730,7 @@ class MpiCommunicator(Communicator):
         status = self._p2p_status
         while (msg := self._p2p.Improbe(mpi.ANY_SOURCE, _HEAD_TAG, status)) is not None:
             src = status.Get_source()
+            self._p2p_got[src] = self._p2p_got.get(src, 0) + 1
             raw = bytearray(status.Get_count(mpi.BYTE))
             msg.Recv([raw, mpi.BYTE])
             tag, code, shape = msgpack.unpackb(bytes(raw), raw=False)
@@ -736,13 +779,24 @@ class MpiCommunicator(Communicator):
             return CollectiveTimeout(f"recv from group rank {src} (tag {tag}) got nothing "
                                      f"within {self.timeout:g} s")
 
+        def check() -> None:
+            self._world.check()
+            if self._closed:  # (this group, closed under it: as on tcp, only this recv fails)
+                raise closed_group(CommunicatorClosedError("the communicator was closed"))
+            if item is None:
+                # src closed its world or this group having sent no more than what arrived
+                err = self._world.closed_peer(self.cid, self._ranks[src],
+                                              self._p2p_got.get(src, 0))
+                if err is not None:
+                    raise err
+
         try:
             deadline = await _poll(arrived, deadline, self._world, self.timeout, timed_out,
-                                   SPIN_SECONDS)
+                                   SPIN_SECONDS, check)
             item = fut.result()
             arr, req = item
             await _poll(lambda: bool(req.Test()), deadline, self._world, self.timeout,
-                        timed_out, WAIT_SPIN_SECONDS)
+                        timed_out, WAIT_SPIN_SECONDS, check)
             return arr
         except asyncio.CancelledError:
             self._recv_failed(fut, item, CollectiveError(f"recv on group rank {self._rank} was "
@@ -765,7 +819,8 @@ class MpiCommunicator(Communicator):
         fut.cancel()
         if item is not None:
             self._world.abandon([item[1]], (item[0],))
-        self._world.abort(err)
+        if closed_scope(err) is None:  # (a peer that closed: as on tcp, only this recv fails)
+            self._world.abort(err)
 
     # -- objects -------------------------------------------------------------------------
 
@@ -847,8 +902,10 @@ class MpiCommunicator(Communicator):
         me = self._rank
         mpi = self._mpi
         world_ranks = [self._ranks[m] for m in members]
+        made_by = [self._tickets]  # (the ticket of this call: the group's id, everywhere)
 
         async def body(op: _Op, meta: np.ndarray | None) -> Any:
+            made_by[0] = op.ticket
             if meta is not None and np.any(meta[:, 1] != meta[me, 1]):
                 return _DIFFERENT_MEMBERS  # raised after the collective: nothing is broken
             comm = await op.stage(0)
@@ -865,6 +922,7 @@ class MpiCommunicator(Communicator):
 
         if self.world_size == 1:
             self._check_open("new_group")
+            self._tickets += 1  # (for the group's id only: nobody else shares this one)
             sub = self._stage_comms[0].Dup()
         else:
             # the members travel beside the signature (as a digest), not in it: ranks that
@@ -878,26 +936,41 @@ class MpiCommunicator(Communicator):
         comms = await _dup_comms(mpi, sub, 3, self.timeout, self._world.check)
         return MpiCommunicator(self._world, [sub, *comms], ranks=world_ranks,
                                timeout=self.timeout, tuning=self.tuning,
-                               check_signatures=self.check_signatures)
+                               check_signatures=self.check_signatures,
+                               cid=f"{self.cid}/{made_by[0]}")
 
     async def close(self) -> None:
         """Close the communicator (a world communicator also waits, at most ``timeout``, for
         its sends to be received). Idempotent.
 
         Closing the world communicator fails the calls in flight on it and its subgroups
-        (``CommunicatorClosedError``; the other ranks' calls raise ``CollectiveError``).
-        A subgroup's calls in flight go on, and it frees its MPI communicators after them."""
+        (``CommunicatorClosedError``; the other ranks' calls raise ``CollectiveError``);
+        with none in flight, the other ranks are told, and their calls that need this rank
+        from then on raise ``PeerLostError`` at once. A subgroup's calls in flight go on, and
+        it frees its MPI communicators after them; the other members are told, and their
+        calls of the group that this rank never started raise ``CollectiveError`` at once
+        ("world rank 2 closed the group"), as do their receives from it beyond the messages
+        it sent and their sends to it."""
         if self._closed:
             return
         self._closed = True
         if self._owns_world:
             await self._world.close(self.timeout)
+        else:
+            self._world.records.pop(self.cid, None)
+            if not self._world.closing:
+                for r, dst in enumerate(self._ranks):
+                    if r != self._rank:
+                        self._world.tell_closed(dst, {"group": self.cid,
+                                                      "tickets": self._tickets,
+                                                      "p2p": self._p2p_sent.get(r, 0)})
         if not self._calls:
             self._free()
 
     def _free(self) -> None:
         self._keep_early()
-        if self._world.broken is None and self._stage_comms[0] != self._mpi.COMM_NULL:
+        if (self._world.broken is None and not self._keep
+                and self._stage_comms[0] != self._mpi.COMM_NULL):
             # (a broken world keeps everything: MPI may still write into its buffers)
             for comm in (*self._stage_comms, self._meta, self._p2p):
                 _free(self._mpi, comm)

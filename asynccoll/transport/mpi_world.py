@@ -14,13 +14,14 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from .._progress import poll
-from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError
+from ..errors import CollectiveError, CollectiveTimeout, CommunicatorClosedError, PeerLostError
 from ..ops import ReduceOp, combine_ordered
 from ..wire import MAX_NDIM, SUPPORTED_DTYPES, dtype_code
 
@@ -29,7 +30,8 @@ log = logging.getLogger("asynccoll.mpi")
 _INSTALL_HINT = ('the "mpi" backend needs mpi4py and an MPI library (Open MPI or MPICH): '
                  'pip install "asynccoll[mpi]", then start the processes with mpirun/mpiexec')
 
-#: tag of the abort messages on the world's ``ctrl`` communicator
+#: tag of the messages on the world's ``ctrl`` communicator: aborts, and the notices of a
+#: rank that closed its world communicator or a group (``MpiWorld.tell_closed``)
 _ABORT_TAG = 3
 #: MPI datatype names of the dtypes MPI reduces natively (bool is reduced as uint8)
 _NATIVE_TYPES = {"|b1": "UINT8_T", "|i1": "INT8_T", "<i2": "INT16_T", "<i4": "INT32_T",
@@ -215,6 +217,19 @@ class MpiWorld:
         self.progressed = 0.0
         #: the world communicator was closed (``close`` started): every call fails
         self.closing = False
+        #: what a notice that this rank closed the world (or ended without closing it) says
+        #: of each of its communicators not closed: ``cid -> (world ranks, [collectives
+        #: started], {group rank: messages sent})``, kept by the communicators
+        self.records: dict[str, tuple[tuple[int, ...], list[int], dict[int, int]]] = {}
+        #: what the notice sent as this world is closed needs
+        self._bye = _Bye(mpi, ctrl, self.rank, self.world_size, self.records)
+        #: world ranks that closed their world communicator with nothing in flight, with
+        #: what they had done: ``{cid: tickets}`` (collectives started) and ``{cid: sends to
+        #: this rank}`` of each of their communicators this rank shares, and the error that
+        #: calls needing them raise
+        self.gone: dict[int, tuple[dict[str, int], dict[str, int], PeerLostError]] = {}
+        #: groups a member closed: ``{cid: {world rank: (tickets, sends to this rank, error)}}``
+        self.left: dict[str, dict[int, tuple[int, int, CollectiveError]]] = {}
 
     # -- failures ------------------------------------------------------------------------
 
@@ -224,33 +239,109 @@ class MpiWorld:
         if self.closing:
             raise CommunicatorClosedError("the communicator was closed")
         if self.broken is None and not self._closed:
-            self._read_aborts()
+            self._read_ctrl()
         if self.broken is not None:
-            raise CollectiveError(f"the communicator is broken: {self.broken}")
+            text = f"the communicator is broken: {self.broken}"
+            if isinstance(self.broken, PeerLostError):  # (keeps its class and rank)
+                raise PeerLostError(text, rank=self.broken.rank)
+            raise CollectiveError(text)
 
-    def _read_aborts(self) -> None:
+    def _read_ctrl(self) -> None:
+        """Read the ctrl messages that arrived: notices of closing (kept), until an abort
+        (breaks the world)."""
         mpi = self.mpi
+        while self.broken is None:
+            lost = None
+            try:
+                if not self.ctrl.Iprobe(mpi.ANY_SOURCE, _ABORT_TAG, self._status):
+                    return
+                src = self._status.Get_source()
+                buf = bytearray(self._status.Get_count(mpi.BYTE))
+                self.ctrl.Recv([buf, mpi.BYTE], src, _ABORT_TAG)
+                msg = msgpack.unpackb(bytes(buf), raw=False, strict_map_key=False)
+                if isinstance(msg, dict) and "abort" not in msg:
+                    self._closed_notice(src, msg)
+                    continue
+                text = str(msg["abort"] if isinstance(msg, dict) else msg)
+                if isinstance(msg, dict) and type(msg.get("lost")) is int:
+                    lost = msg["lost"]
+            except (mpi.Exception, ValueError, TypeError, KeyError) as exc:
+                # the ctrl channel itself failed, or a message it cannot read
+                text, src = f"MPI error on the abort channel: {exc}", -1
+            error = f"world rank {src} failed: {text}"
+            self.broken = (CollectiveError(error) if lost is None
+                           else PeerLostError(error, rank=lost))
+            self._bye.done = True
+
+    def _closed_notice(self, src: int, msg: dict[str, Any]) -> None:
+        """World rank ``src`` closed its world communicator (``tickets``) or a group
+        (``group``), having started ``tickets`` collectives and sent ``p2p`` messages to
+        this rank in each (see ``tell_closed``)."""
+        tickets, p2p = msg.get("tickets", {}), msg.get("p2p", {})
+        if "group" in msg:
+            cid = str(msg["group"])
+            self.left.setdefault(cid, {})[src] = (
+                int(tickets), int(p2p), CollectiveError(f"world rank {src} closed the group"))
+        else:
+            self.gone[src] = ({str(k): int(v) for k, v in tickets.items()},
+                              {str(k): int(v) for k, v in p2p.items()},
+                              PeerLostError(f"world rank {src} has closed its communicator",
+                                            rank=src))
+
+    def closed_error(self, cid: str, ranks: Sequence[int], ticket: int
+                     ) -> CollectiveError | None:
+        """The error of collective ``ticket`` of the communicator ``cid`` over world
+        ``ranks`` when a member closed its world (``PeerLostError``) or that group before
+        starting it; else ``None``."""
+        if not self.gone and not self.left:
+            return None
+        left = self.left.get(cid)
+        for r in ranks:
+            gone = self.gone.get(r)
+            if gone is not None and ticket >= gone[0].get(cid, ticket + 1):
+                return _fresh(gone[2])
+            if left is not None and r in left and ticket >= left[r][0]:
+                return _fresh(left[r][2])
+        return None
+
+    def closed_peer(self, cid: str, peer: int, got: int | None = None
+                    ) -> CollectiveError | None:
+        """The error of a send to world rank ``peer`` in the communicator ``cid`` (``got``
+        ``None``), or of a receive from it that has had ``got`` of its messages, when that
+        rank closed its world or that group and sent no more; else ``None``."""
+        gone = self.gone.get(peer)
+        if gone is not None and cid in gone[0] and (got is None or got >= gone[1].get(cid, 0)):
+            return _fresh(gone[2])
+        left = self.left.get(cid, {}).get(peer)
+        if left is not None and (got is None or got >= left[1]):
+            return _fresh(left[2])
+        return None
+
+    def tell_closed(self, dst: int, notice: dict[str, Any]) -> None:
+        """Tell world rank ``dst`` that this rank closed its world communicator or a group
+        (best effort; ``close`` waits for the message to go out, as for sends)."""
+        if self.broken is not None or self._closed:
+            return
+        mpi = self.mpi
+        data = bytearray(msgpack.packb(notice, use_bin_type=True))
         try:
-            if not self.ctrl.Iprobe(mpi.ANY_SOURCE, _ABORT_TAG, self._status):
-                return
-            src = self._status.Get_source()
-            buf = bytearray(self._status.Get_count(mpi.BYTE))
-            self.ctrl.Recv([buf, mpi.BYTE], src, _ABORT_TAG)
-            text = str(msgpack.unpackb(bytes(buf), raw=False))
-        except mpi.Exception as exc:  # the ctrl channel itself failed
-            text, src = f"MPI error on the abort channel: {exc}", -1
-        self.broken = CollectiveError(f"world rank {src} failed: {text}")
+            self.add_send([self.ctrl.Isend([data, mpi.BYTE], dst, _ABORT_TAG)], (data,))
+        except mpi.Exception as exc:
+            log.debug("could not tell world rank %d about a close: %s", dst, exc)
 
     def abort(self, err: CollectiveError, *, notify: bool = True) -> None:
         """Break the world with ``err``; tell every other rank (once)."""
         if self.broken is not None:
             return
         self.broken = err
+        self._bye.done = True
         log.debug("mpi world rank %d breaks: %s", self.rank, err)
         if not notify or self._closed:
             return
         mpi = self.mpi
-        data = bytearray(msgpack.packb(str(err)[:2000], use_bin_type=True))
+        lost = err.rank if isinstance(err, PeerLostError) else None
+        data = bytearray(msgpack.packb({"abort": str(err)[:2000], "lost": lost},
+                                       use_bin_type=True))
         reqs = []
         for dst in range(self.world_size):
             if dst != self.rank:
@@ -328,6 +419,10 @@ class MpiWorld:
         if self.calls:
             self.abort(CommunicatorClosedError(f"the communicator was closed while "
                                                f"{self.calls} call(s) were in flight"))
+        else:
+            for dst, notice in self._bye.notices():
+                self.tell_closed(dst, notice)
+        self._bye.done = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 
@@ -358,6 +453,60 @@ class MpiWorld:
         # message for a freed communicator and hands it to the next communicator given that
         # context id, where it takes the place of a real one: that communicator's
         # first calls never completed (a later world's new_group, CollectiveTimeout)
+
+
+
+
+class _Bye:
+    """What a rank tells the others as it closes its world with nothing in flight: per
+    other rank, the collectives it started on each communicator they share and the
+    messages it sent that rank, so that their calls that need it from there on raise
+    ``PeerLostError`` at once, as on tcp, instead of waiting for their timeout, while
+    those it took part in finish. ``done``: closed or broken (nothing more to say)."""
+
+    __slots__ = ("ctrl", "done", "mpi", "rank", "records", "size")
+
+    def __init__(self, mpi: Any, ctrl: Any, rank: int, size: int,
+                 records: dict[str, tuple[tuple[int, ...], list[int], dict[int, int]]]) -> None:
+        self.mpi, self.ctrl, self.rank, self.size = mpi, ctrl, rank, size
+        self.records = records
+        self.done = False
+
+    def notices(self, **extra: Any) -> list[tuple[int, dict[str, Any]]]:
+        out = []
+        for dst in range(self.size):
+            if dst == self.rank:
+                continue
+            tickets, p2p = {}, {}
+            for cid, (ranks, started, sent) in self.records.items():
+                if dst in ranks:
+                    tickets[cid] = started[0]
+                    p2p[cid] = sent.get(ranks.index(dst), 0)
+            out.append((dst, {"tickets": tickets, "p2p": p2p, **extra}))
+        return out
+
+
+def _fresh(err: CollectiveError) -> CollectiveError:
+    """A new error like ``err`` (one kept to be raised by every call it ends), marked as
+    the error of a member that closed (``closed_scope``)."""
+    if isinstance(err, PeerLostError):
+        new = PeerLostError(str(err), rank=err.rank)
+        new._asynccoll_closed = "world"  # type: ignore[attr-defined]
+        return new
+    return closed_group(CollectiveError(str(err)))
+
+
+def closed_group(err: CollectiveError) -> CollectiveError:
+    """``err``, marked as the error of a group that a member closed: it fails the call it
+    ends, and breaks neither the world nor other groups (``closed_scope``)."""
+    err._asynccoll_closed = "group"  # type: ignore[attr-defined]
+    return err
+
+
+def closed_scope(err: BaseException) -> str | None:
+    """``"world"`` or ``"group"`` when ``err`` says a member closed its world communicator
+    or the group (``MpiWorld.closed_error``, ``closed_peer``), else ``None``."""
+    return getattr(err, "_asynccoll_closed", None)
 
 
 def _free(mpi: Any, comm: Any) -> None:
