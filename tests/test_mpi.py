@@ -175,6 +175,32 @@ def test_a_message_nobody_received_does_not_crash_the_job(mode: str) -> None:
 
 @needs_mpi
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("mode", "code"), [("raise", 1), ("exit", 3), ("drop", 0)])
+def test_a_rank_that_ends_without_closing_fails_the_others_at_once(mode: str, code: int
+                                                                   ) -> None:
+    """Rank 1 ends (an uncaught exception, sys.exit, or drops its world unclosed) while rank
+    0 waits in an all_reduce rank 1 never calls: rank 0 raises PeerLostError naming it at
+    once, as on tcp, and mpirun exits with rank 1's code. Rank 0 used to wait for its whole
+    timeout (30 s) while rank 1 hung in MPI_Finalize."""
+    launcher = _launcher()
+    assert launcher is not None
+    try:
+        proc = subprocess.run([launcher, "-n", "2", sys.executable,
+                               "tests/helpers/mpi_exit_unclosed.py", mode], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the MPI job hung")
+    out = proc.stdout + proc.stderr
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), "")
+    name, rank, took, text = [*line.split(" ", 4), "", "", "", ""][1:5]
+    assert (name, rank) == ("PeerLostError", "1"), out[-4000:]
+    assert float(took) < 5.0, line
+    assert "world rank 1 ended without closing its communicator" in text, line
+    assert proc.returncode == code, out[-4000:]
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
 def test_a_plain_python_process_is_a_world_of_one() -> None:
     """No launcher: MPI's singleton initialisation gives a world of one rank."""
     code = ("import asyncio, numpy as np, asynccoll\n"

@@ -36,7 +36,8 @@ Guarantees (see ``docs/backends/mpi.md``)
 * A rank that fails (timeout, cancellation, an error) tells the others over ``ctrl``: their
   waits raise ``CollectiveError`` promptly. A rank that *dies* is MPI's
   business: ``mpirun`` normally ends the whole job.
-* A rank that closes the world with nothing in flight, or a group, tells the others over
+* A rank that closes the world with nothing in flight (or ends without closing it), or a
+  group, tells the others over
   ``ctrl`` how many collectives it started on each communicator they share (``cid``: the
   same on every member) and how many messages it sent them (``MpiWorld.tell_closed``):
   their calls that need it beyond those raise at once, as on tcp (``PeerLostError`` for a

@@ -221,8 +221,9 @@ class MpiWorld:
         #: of each of its communicators not closed: ``cid -> (world ranks, [collectives
         #: started], {group rank: messages sent})``, kept by the communicators
         self.records: dict[str, tuple[tuple[int, ...], list[int], dict[int, int]]] = {}
-        #: what the notice sent as this world is closed needs
+        #: what the notice sent as this world is dropped unclosed (the process ends) needs
         self._bye = _Bye(mpi, ctrl, self.rank, self.world_size, self.records)
+        weakref.finalize(self, _bye_at_exit, self._bye)
         #: world ranks that closed their world communicator with nothing in flight, with
         #: what they had done: ``{cid: tickets}`` (collectives started) and ``{cid: sends to
         #: this rank}`` of each of their communicators this rank shares, and the error that
@@ -283,10 +284,11 @@ class MpiWorld:
             self.left.setdefault(cid, {})[src] = (
                 int(tickets), int(p2p), CollectiveError(f"world rank {src} closed the group"))
         else:
+            how = ("ended without closing its communicator" if msg.get("ended")
+                   else "has closed its communicator")
             self.gone[src] = ({str(k): int(v) for k, v in tickets.items()},
                               {str(k): int(v) for k, v in p2p.items()},
-                              PeerLostError(f"world rank {src} has closed its communicator",
-                                            rank=src))
+                              PeerLostError(f"world rank {src} {how}", rank=src))
 
     def closed_error(self, cid: str, ranks: Sequence[int], ticket: int
                      ) -> CollectiveError | None:
@@ -458,7 +460,8 @@ class MpiWorld:
 
 
 class _Bye:
-    """What a rank tells the others as it closes its world with nothing in flight: per
+    """What a rank tells the others as it closes its world with nothing in flight, or as
+    the world is dropped unclosed (the process ends: an exception, ``sys.exit``): per
     other rank, the collectives it started on each communicator they share and the
     messages it sent that rank, so that their calls that need it from there on raise
     ``PeerLostError`` at once, as on tcp, instead of waiting for their timeout, while
@@ -484,6 +487,24 @@ class _Bye:
                     p2p[cid] = sent.get(ranks.index(dst), 0)
             out.append((dst, {"tickets": tickets, "p2p": p2p, **extra}))
         return out
+
+
+def _bye_at_exit(bye: _Bye) -> None:
+    """A world dropped without being closed (as the process ends, or garbage collected):
+    tell the other ranks, unless it was closed or broke (see ``_Bye``). The messages are
+    kept with the requests that are never freed, which the exit lets complete."""
+    if bye.done:
+        return
+    bye.done = True
+    mpi = bye.mpi
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized():
+            return
+        for dst, notice in bye.notices(ended=True):
+            data = bytearray(msgpack.packb(notice, use_bin_type=True))
+            _ABANDONED.append(([bye.ctrl.Isend([data, mpi.BYTE], dst, _ABORT_TAG)], (data,)))
+    except Exception as exc:  # best effort: the other ranks then wait for their timeout
+        log.debug("could not tell the other ranks that this world ended: %s", exc)
 
 
 def _fresh(err: CollectiveError) -> CollectiveError:
