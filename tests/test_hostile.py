@@ -521,3 +521,33 @@ def test_the_store_counts_what_it_holds_exactly() -> None:
     for store in stores:
         store.release()
     assert (usage.keys, usage.nbytes) == (0, 0)
+
+
+async def test_clients_that_come_with_a_flood_connect(logs: LogWatch) -> None:
+    """20 clients connect while 300 silent connections pour in, at a rendezvous that takes
+    4 in their handshake at once: a client dropped as the oldest (its task not started yet)
+    is hung up on, and connects again, so every one is served in a few seconds. (A task
+    cancelled before it started never closed its socket: the client waited for its
+    CHALLENGE until its timeout, and the server kept the socket.)"""
+    async with asyncio.timeout(9), RendezvousServer(
+            token=TOKEN, max_handshakes=4, handshake_timeout=5.0) as server:
+
+        async def flood() -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+            conns = []
+            for i in range(300):
+                conns.append(await asyncio.open_connection("127.0.0.1", server.port))
+                if i % 10 == 0:
+                    await asyncio.sleep(0)
+            return conns
+
+        async def client(i: int) -> bytes:
+            async with await RendezvousClient.connect(
+                    "127.0.0.1", server.port, token=TOKEN, timeout=4.0) as c:
+                await c.set(f"k{i}", str(i))
+                return await c.get(f"k{i}")
+
+        flooding = asyncio.create_task(flood())
+        got = await asyncio.gather(*(client(i) for i in range(20)))
+        assert got == [str(i).encode() for i in range(20)]
+        for _, w in await flooding:
+            w.transport.abort()

@@ -177,8 +177,8 @@ class RendezvousServer:
         #: requests waiting now (every connection's)
         self._waiting = 0
         self._max_handshakes = max_handshakes
-        #: the connections in their handshake, oldest first, and where they come from
-        self._handshaking: dict[asyncio.Task[None], str] = {}
+        #: the connections in their handshake, oldest first: their tasks and streams
+        self._handshaking: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         #: the namespace of the empty job id (clients that announce none)
         self.store = Store(usage=self._usage)
         #: every job's namespace, and how many connections of each are open
@@ -292,12 +292,16 @@ class RendezvousServer:
             return
         if len(self._handshaking) >= self._max_handshakes:
             oldest = next(iter(self._handshaking))
+            dropped = self._handshaking.pop(oldest)
             logger.warning("rendezvous: dropped connection from %s: still in its handshake "
-                           "when %d were (max_handshakes), the oldest",
-                           self._handshaking.pop(oldest), self._max_handshakes)
+                           "when %d were (max_handshakes), the oldest", _peername(dropped),
+                           self._max_handshakes)
+            # (the socket first: a task cancelled before it started runs none of its code,
+            # its finally that closes the connection included)
+            dropped.transport.abort()
             oldest.cancel()
         task = self._tg.create_task(self._serve_connection(reader, writer))
-        self._handshaking[task] = _peername(writer)
+        self._handshaking[task] = writer
 
     async def _serve_connection(self, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
