@@ -55,15 +55,17 @@ async def outcome(aw: Awaitable[Any]) -> Outcome:
 
 
 async def guarded(fn: Callable[[Communicator], Awaitable[Any]], world_size: int, backend: str,
-                  **kw: Any) -> list[Any]:
+                  *, guard: float = GUARD, **kw: Any) -> list[Any]:
     """``run_local`` that fails the test (instead of waiting for the communicator timeout)
-    when the world is still blocked after ``GUARD`` seconds."""
+    when the world is still blocked after ``guard`` seconds (``GUARD``)."""
     kw.setdefault("timeout", LONG_TIMEOUT)
     try:
-        async with asyncio.timeout(GUARD):
+        async with asyncio.timeout(guard) as cm:
             return await asynccoll.run_local(fn, world_size, backend, **kw)
     except TimeoutError:
-        pytest.fail(f"ranks still blocked after {GUARD} s (hang until the communicator timeout)")
+        if not cm.expired():  # a CollectiveTimeout (a TimeoutError too) of the ranks' own
+            raise
+        pytest.fail(f"ranks still blocked after {guard} s (hang until the communicator timeout)")
 
 
 # ------------------------------------------------------------------------- bad arguments
@@ -451,16 +453,33 @@ async def test_watchdog_waits_while_bytes_move_and_fires_once_they_stop() -> Non
 
 
 async def test_a_long_transfer_that_keeps_moving_does_not_time_out() -> None:
-    """A 128 MiB all_reduce between two TCP ranks takes longer than a 50 ms timeout, but
-    bytes keep moving: it completes, correct."""
-    async def fn(comm: Communicator) -> float:
+    """A 128 MiB all_reduce between two TCP ranks lasts several times its timeout, but bytes
+    keep moving: it completes, correct, well past the point where a timeout that progress did
+    not extend cancels a call (``timeout * (1 + 1 / CHECKS)``).
+
+    The timeout is a fifth of what the same all_reduce took just before (at least 50 ms):
+    0.7 s on 2 idle slow cores, over 5 s on busy ones. A fixed 50 ms failed there under load:
+    a process kept off the CPU that long moves no bytes, which the watchdog rightly counts as
+    no progress. The guard against a hang is generous for the same reason."""
+    from asynccoll.collectives import _Watchdog
+
+    async def fn(comm: Communicator) -> tuple[float, float]:
+        x = np.full(32 << 20, comm.rank + 1, np.float32)
+        t0 = time.monotonic()
+        await comm.all_reduce(x)  # the communicator's long timeout: how long it takes here
+        took = np.array([time.monotonic() - t0])
+        await comm.all_reduce(took, ReduceOp.MAX)
+        comm.timeout = max(0.05, float(took[0]) / 5)
         x = np.full(32 << 20, comm.rank + 1, np.float32)
         t0 = time.monotonic()
         await comm.all_reduce(x)
         assert x[0] == 3 and x[-1] == 3
-        return time.monotonic() - t0
+        return comm.timeout, time.monotonic() - t0
 
-    await guarded(fn, 2, "tcp", timeout=0.05)
+    results = await guarded(fn, 2, "tcp", guard=50.0)
+    for timeout, elapsed in results:
+        # it outlived its timeout: only progress can have kept the watchdog off
+        assert elapsed > timeout * (1 + 1 / _Watchdog.CHECKS) + 0.05, results
 
 
 @pytest.mark.parametrize("backend", ["memory", "tcp"])
