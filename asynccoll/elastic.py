@@ -5,7 +5,8 @@ An elastic job is a sequence of *generations*. Each generation is an ordinary TC
 lost or a new process asks to join, the next generation opens, every live process joins it,
 and a new world forms, without restarting any process. ``ElasticGroup`` does the
 membership; ``asynccoll.parallel.elastic.ElasticTrainer`` carries training state across
-generations.
+generations, and ``asynccoll.parallel.elastic_ps.ElasticAsyncSGD`` runs parameter-server
+training over them (its keys live under ``asgd/``).
 
 Membership lives in the rendezvous store (the launcher's, or ``asynccoll rendezvous``), in the
 namespace of the job's **job id** (``ElasticGroup.connect(job=...)``, else ``ASYNCCOLL_JOB_ID``,
@@ -442,6 +443,24 @@ class ElasticGroup:
         """Whether a newer generation is open (a member asked to join, or one failed)."""
         return self.generation is None or await self.current_round() > self.generation.number
 
+    async def admit_spares(self) -> bool:
+        """Open the next generation if the current one is full (``max_nodes``) and a process
+        waits as a spare for a place in it (it joined the generation after it closed); return
+        whether it did. For a member that leaves the world without ``check`` (an
+        ``ElasticAsyncSGD`` worker that finished): its place goes to the spare once the others
+        move to the next generation."""
+        gen = self.generation
+        if gen is None or gen.world_size < self.max_nodes:
+            return False
+        try:
+            joined = int(await self.client.get(f"{PREFIX}/{gen.number}/joined", wait=False))
+        except KeyError:
+            return False
+        if joined <= gen.world_size:
+            return False
+        await self._open(gen.number + 1)
+        return True
+
     async def check(self, *, leaving: bool = False) -> tuple[bool, int]:
         """Collective over the current world, at a step boundary: ``(reform, leavers)``, the
         same on every rank. ``leavers``: how many members pass ``leaving=True`` (they then
@@ -460,16 +479,21 @@ class ElasticGroup:
         reform, _ = await self.check()
         return reform
 
-    async def leave(self) -> None:
+    async def leave(self, *, finished: bool = False) -> None:
         """Leave the job for good: close this process's world (the others, told by
         ``check(leaving=True)``, form the next generation without it and do not wait for it);
-        ``form`` raises from now on. The rendezvous connection stays open until ``close``."""
+        ``form`` raises from now on. The rendezvous connection stays open until ``close``.
+
+        ``finished=True``: this process leaves because its part of the work is done (an
+        ``ElasticAsyncSGD`` worker after ``finish``), so ``asynccoll run`` counts its exit
+        among those that succeeded, as it counts any other; by default the launcher is told
+        that its exit ends no work."""
         self.left = True
         if self.comm is not None:
             old, self.comm = self.comm, None
             await old.close()
         label = os.environ.get("ASYNCCOLL_RANK")
-        if os.environ.get("ASYNCCOLL_ELASTIC") and label is not None:
+        if not finished and os.environ.get("ASYNCCOLL_ELASTIC") and label is not None:
             # for ``asynccoll run``: this process's exit ends no work, it must not count
             # among those that finished. The launcher's label, and its process group: the
             # launcher's child leads it (a session of its own), be this process that child

@@ -24,6 +24,7 @@ from .distributed import (
     as_distributed_optimizer,
 )
 from .elastic import ElasticTrainer, run_elastic
+from .elastic_ps import ElasticAsyncSGD, ElasticServerStats, ServerLostError
 from .hybrid import Hybrid, TensorParallelStage
 from .layout import FlatLayout
 from .local import flat_parameters, train_locally
@@ -80,6 +81,8 @@ __all__ = [
     "Compression",
     "DistributedModel",
     "DistributedOptimizer",
+    "ElasticAsyncSGD",
+    "ElasticServerStats",
     "ElasticTrainer",
     "FlatLayout",
     "Hooks",
@@ -100,6 +103,7 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "RowParallelLinear",
+    "ServerLostError",
     "ServerStats",
     "Stage",
     "TensorParallelMLP",

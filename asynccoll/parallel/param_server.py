@@ -82,6 +82,9 @@ connection breaks; a server that cannot start because another one was lost sends
 timeout).
 Cancelling a pull or push midway breaks the communicator for everyone (the Communicator's
 cancellation contract).
+
+``AsyncSGD`` runs over one fixed world: no worker can join it. For workers that join and leave
+a running job, see ``asynccoll.parallel.elastic_ps.ElasticAsyncSGD``.
 """
 
 from __future__ import annotations
@@ -304,6 +307,20 @@ async def _all(coros: Sequence[Awaitable[T]]) -> list[T]:
     return [t.result() for t in tasks]
 
 
+def check_options(optimizer: object, max_staleness: object, stale: object) -> None:
+    """Check ``AsyncSGD``'s ``optimizer``, ``max_staleness`` and ``stale`` (see the class)."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be an asynccoll.parallel Optimizer, "
+                        f"got {type(optimizer).__name__}")
+    if stale not in STALE_MODES:
+        raise ValueError(f"stale must be one of {', '.join(STALE_MODES)}, got {stale!r}")
+    if max_staleness is not None:
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
+            raise TypeError(f"max_staleness must be an int or None, got {max_staleness!r}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (or None), got {max_staleness}")
+
+
 # ------------------------------------------------------------------------------- AsyncSGD
 
 class AsyncSGD:
@@ -359,16 +376,7 @@ class AsyncSGD:
                  optimizer: Optimizer, max_staleness: int | None = None,
                  stale: str = "reject", workers: Sequence[int] | None = None,
                  max_grad_norm: float | None = None) -> None:
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer must be an asynccoll.parallel Optimizer, "
-                            f"got {type(optimizer).__name__}")
-        if stale not in STALE_MODES:
-            raise ValueError(f"stale must be one of {', '.join(STALE_MODES)}, got {stale!r}")
-        if max_staleness is not None:
-            if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
-                raise TypeError(f"max_staleness must be an int or None, got {max_staleness!r}")
-            if max_staleness < 0:
-                raise ValueError(f"max_staleness must be >= 0 (or None), got {max_staleness}")
+        check_options(optimizer, max_staleness, stale)
         self.servers = self._ranks(comm, servers, "server")
         if not self.servers:
             raise ValueError("AsyncSGD needs at least one server rank")
@@ -405,6 +413,8 @@ class AsyncSGD:
         self._finished = False
         # server state
         self._serving = False
+        #: serve() starts from carried state (``_resume``), not from server 0's INIT
+        self._resumed = False
         self._version = 0
         self._counters: dict[int, _Counters] = {}
         self._shard: np.ndarray | None = None
@@ -746,7 +756,8 @@ class AsyncSGD:
             raise RuntimeError("serve() runs once")
         self._serving = True
         try:
-            await self._share_initial()
+            if not self._resumed:
+                await self._share_initial()
         except CollectiveError as exc:
             await self._give_up(exc)
             raise
@@ -761,6 +772,19 @@ class AsyncSGD:
                   "%d rejected, lost %s", self.rank, stats.version, stats.accepted,
                   stats.scaled, stats.rejected, list(stats.lost))
         return stats
+
+    def _resume(self, shard: np.ndarray, version: int) -> None:
+        """Serve from carried state (a server of an earlier world over other ranks: see
+        ``asynccoll.parallel.elastic_ps``): ``shard`` (this server's range, taken as the live
+        array, not copied) at ``version``, instead of server 0's initial parameters. The
+        optimizer given to the constructor carries its own state. Before ``serve``."""
+        a, b = self.shard
+        if self._serving or shard.shape != (b - a,) or shard.dtype != self.layout.dtype:
+            raise RuntimeError(f"cannot resume server {self.rank} with {shard.dtype} "
+                               f"{shard.shape} (expected {self.layout.dtype} ({b - a},)), "
+                               f"or after serve()")
+        self._shard, self._version = shard, int(version)
+        self._initial, self._resumed = None, True
 
     async def _give_up(self, exc: CollectiveError) -> None:
         """``serve`` fails before serving anyone (``exc``: another server was lost, or sent
