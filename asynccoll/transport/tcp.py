@@ -113,9 +113,10 @@ HANDSHAKE_TIMEOUT = DEFAULT_HANDSHAKE_TIMEOUT
 #: the staging buffer of a connection until it authenticated (handshake frames are ~100 B;
 #: a longer head makes it grow)
 HANDSHAKE_STAGE_BYTES = 4096
-#: connections a rank accepts in their handshake at once, beyond the world size: one past it
-#: drops the oldest still in its handshake (a peer's takes milliseconds, a silent
-#: stranger's the handshake timeout), so strangers hold a bounded number of its sockets
+#: connections a rank accepts in their handshake at once, beyond twice the world size (each
+#: peer may dial two: in a crowded world, or for its large frames): one past it drops the
+#: oldest still in its handshake (a peer's takes milliseconds, a silent stranger's the
+#: handshake timeout), so strangers hold a bounded number of its sockets
 MAX_HANDSHAKES = 1024
 #: payloads up to this size are copied behind their header and written in one call
 SMALL_WRITE_BYTES = 16 << 10
@@ -717,13 +718,14 @@ class TcpTransport(Transport):
 
     def _admit(self, conn: _Connection) -> None:
         """Count ``conn``, just accepted, among those in their handshake; past
-        ``MAX_HANDSHAKES`` beyond the world size, drop the oldest of them."""
-        if len(self._handshaking) >= MAX_HANDSHAKES + self.world_size:
+        ``MAX_HANDSHAKES`` beyond twice the world size, drop the oldest of them."""
+        most = MAX_HANDSHAKES + 2 * self.world_size
+        if len(self._handshaking) >= most:
             oldest = next(iter(self._handshaking))
             del self._handshaking[oldest]
             log.warning("rank %d: dropped %s: still in its handshake when %d were (the most "
                         "it takes at once), the oldest", self.rank, oldest._peername(),
-                        MAX_HANDSHAKES + self.world_size)
+                        most)
             oldest._abort()
         self._handshaking[conn] = None
 
