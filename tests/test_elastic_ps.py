@@ -251,6 +251,51 @@ async def test_a_worker_that_finishes_in_a_full_world_lets_a_waiting_one_in() ->
     assert newcomer["at"] - min(finished_at) < TIMEOUT / 4
 
 
+@pytest.mark.timeout(60)
+async def test_serve_returns_when_the_last_worker_left_dies() -> None:
+    """One worker finishes, the other then crashes: no worker is left, so serve() returns at
+    once (the crashed one "lost"), without waiting for a generation nobody would join."""
+    server = RendezvousServer("127.0.0.1", 0, token="t")
+    await server.start()
+    rdv = f"127.0.0.1:{server.port}"
+    finished = asyncio.Event()
+    ids: list[str] = []
+
+    async def member() -> dict[str, Any]:
+        group = await connect(rdv)
+        try:
+            opt = make(group)
+            await opt.start()
+            if opt.is_server:
+                stats = await opt.serve()
+                return {"stats": stats, "at": time.monotonic()}
+            ids.append(group.id)
+            for s in range(10):
+                await opt.step(regression(s))
+            if ids[0] == group.id:
+                await opt.finish()
+                finished.set()
+                return {"finished": group.id}
+            await finished.wait()
+            await opt.step(regression(10))
+            await crash(opt.comm)
+            return {"crashed": group.id, "at": time.monotonic()}
+        finally:
+            await group.close()
+
+    try:
+        results = await asyncio.gather(member(), member(), member())
+    finally:
+        await server.close()
+    by = {k: r for r in results for k in r}
+    stats: ElasticServerStats = by["stats"]["stats"]
+    assert stats.done == (by["finished"]["finished"],), stats
+    assert stats.lost == (by["crashed"]["crashed"],), stats
+    assert stats.workers[by["crashed"]["crashed"]].pushes == 11
+    assert stats.generations == 1 and stats.version == 21
+    assert by["stats"]["at"] - by["crashed"]["at"] < TIMEOUT / 4
+
+
 async def test_bad_arguments() -> None:
     server = RendezvousServer("127.0.0.1", 0, token="t")
     await server.start()
