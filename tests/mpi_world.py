@@ -677,3 +677,32 @@ async def test_mpi_a_group_closed_by_a_member_fails_the_others_calls_at_once() -
                                      f"{where}"), barrier[1]
         assert reduce[1].startswith(f"all_reduce(<f8, (2,), sum) on group rank {r + 1} "
                                     f"(sequence number 2 {where}"), reduce[1]
+
+
+async def test_mpi_what_a_world_keeps_of_its_groups_stays_bounded(monkeypatch: Any) -> None:
+    """A long job that makes and closes groups keeps nothing of them: what the other members
+    said as they closed a group goes once this rank closed it too (it used to stay, one entry
+    per group), and records of groups dropped unclosed are capped (MAX_RECORDS)."""
+    import asynccoll.transport.mpi as mpi_backend
+
+    monkeypatch.setattr(mpi_backend, "MAX_RECORDS", 5)
+
+    async def fn(comm: Communicator) -> tuple[int, list[str], int]:
+        world: Any = comm.transport
+        for k in range(12):
+            sub = await comm.new_group([(k + j) % W for j in range(W)])
+            assert sub is not None
+            await sub.all_reduce(np.ones(2))
+            if comm.rank == k % W:
+                await asyncio.sleep(0.02)  # (the others' notices come before this close)
+            await sub.close()
+            await comm.barrier()  # (and the notices of those who closed after are read)
+        left = len(world.left)
+        closed_all = sorted(world.records)
+        for _ in range(8):  # dropped unclosed
+            await comm.new_group(list(range(W)))
+        return left, closed_all, len(world.records)
+
+    for r, (left, records, dropped) in enumerate(await run_world(fn, W, "mpi", timeout=8.0)):
+        assert left == 0 and records == ["w"], f"rank {r}: {left}, {records}"
+        assert dropped <= 5, f"rank {r}: {dropped} records"

@@ -128,6 +128,9 @@ _GROUP_TAG = 4
 _DIFFERENT_MEMBERS = object()
 #: bytes of a signature description exchanged when signatures differ
 _DESCRIBE_BYTES = 240
+#: communicators a world keeps a record of (``MpiWorld.records``) at most: groups closed
+#: on this rank are forgotten at once, groups dropped unclosed once this many are newer
+MAX_RECORDS = 1024
 
 
 class _Expired(Exception):
@@ -282,6 +285,8 @@ class MpiCommunicator(Communicator):
         #: ending unclosed, reads it: ``MpiWorld.records``)
         self._started = [0]
         world.records[cid] = (self._ranks, self._started, self._p2p_sent)
+        while len(world.records) > MAX_RECORDS:  # (groups dropped unclosed: the oldest go)
+            _forget(world, next(k for k in world.records if k != "w"))
         #: collectives and receives in progress: a group closed under them frees its MPI
         #: communicators after the last one (as on the other backends, they go on)
         self._calls = 0
@@ -958,7 +963,7 @@ class MpiCommunicator(Communicator):
         if self._owns_world:
             await self._world.close(self.timeout)
         else:
-            self._world.records.pop(self.cid, None)
+            _forget(self._world, self.cid)
             if not self._world.closing:
                 for r, dst in enumerate(self._ranks):
                     if r != self._rank:
@@ -984,6 +989,14 @@ class MpiCommunicator(Communicator):
     def _move(self, a: np.ndarray) -> list[Any]:
         """Buffer spec that moves ``a``'s bytes (element-sized units: counts stay small)."""
         return [_flat_bytes(a), a.size, self._move_type(a.dtype)]
+
+
+def _forget(world: MpiWorld, cid: str) -> None:
+    """The group ``cid`` was closed on this rank (or is the oldest of too many): what the
+    world kept of it (its record, what other members said as they closed it) goes. A group
+    dropped unclosed keeps its record, so that a notice of this rank's end describes it."""
+    world.records.pop(cid, None)
+    world.left.pop(cid, None)
 
 
 def _keep_early(mpi: Any, early: dict[tuple[int, int], deque[tuple[np.ndarray, Any]]]

@@ -281,6 +281,8 @@ class MpiWorld:
         tickets, p2p = msg.get("tickets", {}), msg.get("p2p", {})
         if "group" in msg:
             cid = str(msg["group"])
+            if cid not in self.records:  # (closed or dropped here too: nothing to fail)
+                return
             self.left.setdefault(cid, {})[src] = (
                 int(tickets), int(p2p), CollectiveError(f"world rank {src} closed the group"))
         else:
