@@ -196,7 +196,7 @@ class _Op:
         group before starting this collective (it never will)."""
         comm = self.comm
         comm._world.check()
-        err = comm._world.closed_error(comm.cid, comm._ranks, self.ticket)
+        err = comm._world.closed_error(comm.cid, self.ticket)
         if err is not None:
             raise err
 

@@ -14,7 +14,6 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -292,20 +291,18 @@ class MpiWorld:
                               {str(k): int(v) for k, v in p2p.items()},
                               PeerLostError(f"world rank {src} {how}", rank=src))
 
-    def closed_error(self, cid: str, ranks: Sequence[int], ticket: int
-                     ) -> CollectiveError | None:
-        """The error of collective ``ticket`` of the communicator ``cid`` over world
-        ``ranks`` when a member closed its world (``PeerLostError``) or that group before
-        starting it; else ``None``."""
+    def closed_error(self, cid: str, ticket: int) -> CollectiveError | None:
+        """The error of collective ``ticket`` of the communicator ``cid`` when a member
+        closed its world (``PeerLostError``) or that group before starting it; else
+        ``None``. (A notice names only the communicators its sender shares with this rank.)"""
         if not self.gone and not self.left:
             return None
-        left = self.left.get(cid)
-        for r in ranks:
-            gone = self.gone.get(r)
-            if gone is not None and ticket >= gone[0].get(cid, ticket + 1):
-                return _fresh(gone[2])
-            if left is not None and r in left and ticket >= left[r][0]:
-                return _fresh(left[r][2])
+        for first, _, err in self.left.get(cid, {}).values():
+            if ticket >= first:
+                return _fresh(err)
+        for tickets, _, err in self.gone.values():
+            if ticket >= tickets.get(cid, ticket + 1):
+                return _fresh(err)
         return None
 
     def closed_peer(self, cid: str, peer: int, got: int | None = None
