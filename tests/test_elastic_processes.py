@@ -35,34 +35,39 @@ def has(pattern: str) -> Callable[[list[str]], bool]:
 
 @pytest.mark.timeout(120)
 def test_kill_one_then_a_new_process_joins(reaper: Callable[..., Proc], tmp_path: Path) -> None:
-    port, token, steps = free_fixed_port(), "elastic-test", 400
-    common = ["--steps", str(steps), "--step-delay", "0.01", "--settle", "0.3",
-              "--commit-every", "10", "--out", str(tmp_path)]
+    """One of three workers is SIGKILLed, the two survivors go on from their last commit, a
+    process started by hand joins them, and the three end with the parameters of one process
+    that trained as many steps alone. The training ends only once the test opens its gate
+    (GATE), after the newcomer joined: with a fixed number of steps, the survivors could
+    finish before a newcomer slow to start (a loaded machine) had joined."""
+    port, token, gate = free_fixed_port(), "elastic-test", tmp_path / "gate"
+    env = {"GATE": str(gate), "OUT": str(tmp_path)}
     job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "4", "--port",
-                          str(port), "--token", token, EXAMPLE, *common))
-    assert job.wait_for(has(r"STEP 50 "), 60), job.output
+                          str(port), "--token", token, GATED, "60"), clean_env(**env))
+    assert job.wait_for(has(r"STEP 50$"), 60), job.output
     victim = next(int(m.group(2)) for line in job.lines if (m := PID.match(line))
                   and m.group(1) == "2")
     os.kill(victim, signal.SIGKILL)
     assert job.wait_for(has(r"WORLD gen=1 size=2"), 30), job.output
 
-    newcomer = reaper([sys.executable, EXAMPLE, *common], clean_env(
+    newcomer = reaper([sys.executable, GATED, "60"], clean_env(
         ASYNCCOLL_RENDEZVOUS=f"127.0.0.1:{port}", ASYNCCOLL_TOKEN=token,
-        ASYNCCOLL_MIN_NODES="2", ASYNCCOLL_MAX_NODES="4"))
-    assert newcomer.wait_for(has(r"WORLD gen=\d+ size=3"), 30), newcomer.output + job.output
-    assert newcomer.finish(90) == 0, newcomer.output
+        ASYNCCOLL_MIN_NODES="2", ASYNCCOLL_MAX_NODES="4", **env))
+    assert newcomer.wait_for(has(r"WORLD gen=\d+ size=3"), 60), newcomer.output + job.output
+    gate.touch()
+    assert newcomer.finish(60) == 0, newcomer.output
     assert job.finish(60) == 0, job.output
 
     out = job.output + "\n" + newcomer.output
     got = finals(out)
     assert len(got) == 3, out                       # two survivors and the newcomer
-    assert {(s, n) for s, n, _ in got} == {(steps, 3)}, got
+    steps = got[0][0]
+    assert steps >= 60 and {(s, n) for s, n, _ in got} == {(steps, 3)}, got
     assert len({d for _, _, d in got}) == 1, got    # identical parameters everywhere
     resumed = [int(m) for m in re.findall(r"WORLD gen=1 size=2 rank=\d resumed_at=(\d+)", out)]
-    assert resumed and all(r % 10 == 0 and 50 <= r <= steps for r in resumed), out
+    assert len(resumed) == 2 and all(r % 10 == 0 and 50 <= r <= steps for r in resumed), out
 
-    replay = Proc([sys.executable, EXAMPLE, "--replay", "--steps", str(steps), "--out",
-                   str(tmp_path)], clean_env())
+    replay = Proc([sys.executable, GATED, "--replay", str(steps)], clean_env(OUT=str(tmp_path)))
     assert replay.finish(60) == 0, replay.output
     want = np.load(tmp_path / "replay.npy")
     saved = sorted(tmp_path.glob("final-*.npy"))
@@ -151,26 +156,30 @@ def test_launcher_restarts_a_failed_worker(reaper: Callable[..., Proc], tmp_path
 
 @pytest.mark.timeout(120)
 def test_two_join_at_once_into_a_full_world_keep_every_survivor(
-        reaper: Callable[..., Proc]) -> None:
-    # 3 running, --max-nodes 4, two processes ask to join together: the new generation must
-    # keep all three survivors (they come first) and take one newcomer; the other waits as a
-    # spare. No survivor may be left out because newcomers reached the store first.
-    port, token, steps = free_fixed_port(), "elastic-test", 500
-    common = ["--steps", str(steps), "--step-delay", "0.02", "--settle", "0.3",
-              "--commit-every", "10", "--timeout", "10"]
+        reaper: Callable[..., Proc], tmp_path: Path) -> None:
+    """3 running, --max-nodes 4, two processes ask to join together: the new generation must
+    keep all three survivors (they come first) and take one newcomer; the other waits as a
+    spare. No survivor may be left out because newcomers reached the store first. The
+    training ends only once the test opens its gate (GATE), after the world of 4 formed: with
+    a fixed number of steps, it could end before newcomers slow to start had joined."""
+    port, token, gate = free_fixed_port(), "elastic-test", tmp_path / "gate"
     job = reaper(launcher("-n", "3", "--min-nodes", "2", "--max-nodes", "4", "--port",
-                          str(port), "--token", token, EXAMPLE, *common))
-    assert job.wait_for(has(r"STEP 50 "), 60), job.output
+                          str(port), "--token", token, GATED, "60"),
+                 clean_env(GATE=str(gate), TIMEOUT="10"))
+    assert job.wait_for(has(r"STEP 50$"), 60), job.output
     env = clean_env(ASYNCCOLL_RENDEZVOUS=f"127.0.0.1:{port}", ASYNCCOLL_TOKEN=token,
-                    ASYNCCOLL_MIN_NODES="2", ASYNCCOLL_MAX_NODES="4")
-    newcomers = [reaper([sys.executable, EXAMPLE, *common], env) for _ in range(2)]
-    assert job.finish(90) == 0, job.output + "".join(p.output for p in newcomers)
+                    ASYNCCOLL_MIN_NODES="2", ASYNCCOLL_MAX_NODES="4", GATE=str(gate),
+                    TIMEOUT="10")
+    newcomers = [reaper([sys.executable, GATED, "60"], env) for _ in range(2)]
+    joined = job.wait_for(has(r"WORLD gen=\d+ size=4"), 60)
+    gate.touch()
+    assert joined, job.output + "".join(p.output for p in newcomers)
+    assert job.finish(60) == 0, job.output + "".join(p.output for p in newcomers)
     out = job.output
     got = finals(out)
     assert len(got) == 3, out                       # every survivor trained to the end
-    assert all(s == steps for s, _, _ in got), got
+    assert len({s for s, _, _ in got}) == 1 and got[0][0] >= 60, got
     assert "exited with code" not in out, out
-    assert re.search(r"WORLD gen=\d+ size=4", out), out
     codes = sorted(p.finish(60) for p in newcomers)
     assert codes[0] == 0, "".join(p.output for p in newcomers)   # one newcomer got the place
 

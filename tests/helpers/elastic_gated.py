@@ -5,7 +5,11 @@ The model and batches of examples/elastic.py, but the processes train on past ``
 the file named by ``GATE`` exists. Each step all-reduces whether a process sees that file, so
 the members of a world agree on the step they stop at. A test kills, replaces and lets
 processes leave while the training cannot end yet (however slow the machine), then creates
-the file. SIGTERM: leave the job after the step in progress.
+the file. SIGTERM: leave the job after the step in progress. ``TIMEOUT``: seconds a
+generation may take to form (30); ``OUT``: a directory to save the final parameters to
+(``final-<pid>.npy``). ``elastic_gated.py --replay STEPS`` trains STEPS steps in this process
+alone, on the whole batches, and saves the parameters to ``OUT``/replay.npy: what the job's
+processes must end with, up to rounding, if they stopped at step STEPS.
 
 Prints ``PID <pid>``; ``WORLD gen=G size=S rank=R resumed_at=N`` for each world it trains in;
 ``STEP N`` (world rank 0, every 50 steps); ``LEFT at step N``; and at the end
@@ -19,12 +23,13 @@ import hashlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from asynccoll import Communicator
 from asynccoll.elastic import ElasticGroup
-from asynccoll.parallel import MLP, Adam, DistributedModel, as_distributed
+from asynccoll.parallel import MLP, Adam, DistributedModel, as_distributed, train_locally
 from asynccoll.parallel.elastic import ElasticTrainer
 
 SIZES = [16, 32, 32, 4]
@@ -53,7 +58,8 @@ async def main(steps: int) -> None:
         return bool(seen[0] > 0)   # the same on every member of this world
 
     print(f"PID {os.getpid()}", flush=True)
-    async with await ElasticGroup.connect(settle=0.3, timeout=30.0) as group:
+    timeout = float(os.environ.get("TIMEOUT", "30"))
+    async with await ElasticGroup.connect(settle=0.3, timeout=timeout) as group:
         trainer = ElasticTrainer(group, build, commit_every=10)
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, trainer.request_leave)
         await trainer.start()
@@ -76,7 +82,18 @@ async def main(steps: int) -> None:
         print(f"FINAL steps={trainer.step} size={trainer.comm.world_size} "
               f"rank={trainer.comm.rank} "
               f"digest={hashlib.sha256(params.tobytes()).hexdigest()[:16]}", flush=True)
+        if os.environ.get("OUT"):
+            np.save(Path(os.environ["OUT"]) / f"final-{os.getpid()}.npy", params)
+
+
+async def replay(steps: int) -> None:
+    _, params = await train_locally(MLP(SIZES, seed=0), Adam(lr=3e-3),
+                                    (batch(step) for step in range(steps)))
+    np.save(Path(os.environ["OUT"]) / "replay.npy", params)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1])))
+    if sys.argv[1] == "--replay":
+        asyncio.run(replay(int(sys.argv[2])))
+    else:
+        asyncio.run(main(int(sys.argv[1])))
