@@ -47,6 +47,10 @@ async def test_mpi_init_takes_the_world_from_mpi() -> None:
         await asynccoll.init(backend="mpi", world_size=W + 1)
     with pytest.raises(ValueError, match="addr"):
         await asynccoll.init(backend="mpi", addr="127.0.0.1")
+    # not an intracommunicator: a TypeError naming it (an AttributeError, an MPI error before)
+    for comm in (5, MPI.COMM_NULL, MPI.COMM_WORLD.Get_group()):
+        with pytest.raises(TypeError, match="comm must be an mpi4py intracommunicator"):
+            await asynccoll.init(backend="mpi", comm=comm)
 
 
 async def test_mpi_many_collectives_in_flight_issue_in_call_order() -> None:

@@ -250,6 +250,17 @@ async def test_mpi_init_checks_timeout_as_tcp_does(monkeypatch: pytest.MonkeyPat
         await asynccoll.init(backend="mpi", timeout=timeout)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", ["no", 0, None])
+async def test_mpi_init_checks_check_signatures_is_a_bool(monkeypatch: pytest.MonkeyPatch,
+                                                          value: object) -> None:
+    """Checked before MPI is touched, as the bool options of the other backends are: "no"
+    used to turn the checks on (bool("no")), None and 0 off."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    with pytest.raises(TypeError, match="check_signatures must be a bool"):
+        await asynccoll.init(backend="mpi", check_signatures=value)  # type: ignore[arg-type]
+
+
 async def test_mpi_backend_cannot_run_ranks_as_coroutines() -> None:
     async def fn(comm: asynccoll.Communicator) -> None:
         raise AssertionError("never runs")

@@ -1050,13 +1050,23 @@ async def mpi_init(*, rank: int | None = None, world_size: int | None = None,
             duplicated, never used directly.
         check_signatures: check, before each collective moves data, that every rank called
             the same thing (see the module docstring).
+
+    Raises:
+        TypeError: ``check_signatures`` is no bool (the string ``"no"`` was taken as true),
+            ``comm`` is no mpi4py intracommunicator (it was an ``AttributeError``, or an MPI
+            error for ``MPI.COMM_NULL``); with the checks of every backend's ``init``.
     """
     timeout = check_timeout(timeout)  # before anything is opened
+    if not isinstance(check_signatures, bool):
+        raise TypeError(f"check_signatures must be a bool, got {check_signatures!r}")
     # (compared with MPI's below: rank="0" was "rank=0 was given but MPI says this process is
     # rank 0", rank=True passed for rank 1)
     rank = None if rank is None else check_int(rank, "rank")
     world_size = None if world_size is None else check_int(world_size, "world_size")
     mpi = import_mpi()
+    if comm is not None and not isinstance(comm, mpi.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intracommunicator (mpi4py.MPI.Intracomm, "
+                        f"such as MPI.COMM_WORLD), got {comm!r}")
     base = mpi.COMM_WORLD if comm is None else comm
     got_rank, got_size = int(base.Get_rank()), int(base.Get_size())
     if rank is not None and rank != got_rank:
