@@ -37,9 +37,9 @@ Guarantees (see ``docs/backends/mpi.md``)
   waits raise ``CollectiveError`` promptly. A rank that *dies* is MPI's
   business: ``mpirun`` normally ends the whole job.
 * A rank that closes the world with nothing in flight (or ends without closing it), or a
-  group, tells the others over
-  ``ctrl`` how many collectives it started on each communicator they share (``cid``: the
-  same on every member) and how many messages it sent them (``MpiWorld.tell_closed``):
+  group, tells the others over ``ctrl`` how many collectives it started on each
+  communicator they share (``_cid``: the same on every member) and how many messages it
+  sent them (``MpiWorld.tell_closed``):
   their calls that need it beyond those raise at once, as on tcp (``PeerLostError`` for a
   closed world, ``CollectiveError`` "world rank r closed the group" for a group).
 * ``send`` copies the array and returns at once (it never waits for the receiver); ``recv``
@@ -196,7 +196,7 @@ class _Op:
         group before starting this collective (it never will)."""
         comm = self.comm
         comm._world.check()
-        err = comm._world.closed_error(comm.cid, self.ticket)
+        err = comm._world.closed_error(comm._cid, self.ticket)
         if err is not None:
             raise err
 
@@ -280,7 +280,7 @@ class MpiCommunicator(Communicator):
         self._keep = False
         #: this communicator's id, the same on every member: ``"w"`` for the world, then the
         #: parent's id and the ticket of the ``new_group`` that made it
-        self.cid = cid
+        self._cid = cid
         #: collectives started (``_tickets``, kept where the world's notice of closing, or of
         #: ending unclosed, reads it: ``MpiWorld.records``)
         self._started = [0]
@@ -712,7 +712,7 @@ class MpiCommunicator(Communicator):
         if dst == self._rank:
             raise ValueError("send to self is not supported")
         self._check_open("send")
-        gone = self._world.closed_peer(self.cid, self._ranks[dst])
+        gone = self._world.closed_peer(self._cid, self._ranks[dst])
         if gone is not None:  # (as on tcp: the send fails, nothing else breaks)
             raise gone
         mpi = self._mpi
@@ -791,7 +791,7 @@ class MpiCommunicator(Communicator):
                 raise closed_group(CommunicatorClosedError("the communicator was closed"))
             if item is None:
                 # src closed its world or this group having sent no more than what arrived
-                err = self._world.closed_peer(self.cid, self._ranks[src],
+                err = self._world.closed_peer(self._cid, self._ranks[src],
                                               self._p2p_got.get(src, 0))
                 if err is not None:
                     raise err
@@ -943,7 +943,7 @@ class MpiCommunicator(Communicator):
         return MpiCommunicator(self._world, [sub, *comms], ranks=world_ranks,
                                timeout=self.timeout, tuning=self.tuning,
                                check_signatures=self.check_signatures,
-                               cid=f"{self.cid}/{made_by[0]}")
+                               cid=f"{self._cid}/{made_by[0]}")
 
     async def close(self) -> None:
         """Close the communicator (a world communicator also waits, at most ``timeout``, for
@@ -963,11 +963,11 @@ class MpiCommunicator(Communicator):
         if self._owns_world:
             await self._world.close(self.timeout)
         else:
-            _forget(self._world, self.cid)
+            _forget(self._world, self._cid)
             if not self._world.closing:
                 for r, dst in enumerate(self._ranks):
                     if r != self._rank:
-                        self._world.tell_closed(dst, {"group": self.cid,
+                        self._world.tell_closed(dst, {"group": self._cid,
                                                       "tickets": self._tickets,
                                                       "p2p": self._p2p_sent.get(r, 0)})
         if not self._calls:
