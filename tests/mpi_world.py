@@ -710,3 +710,27 @@ async def test_mpi_what_a_world_keeps_of_its_groups_stays_bounded(monkeypatch: A
     for r, (left, records, dropped) in enumerate(await run_world(fn, W, "mpi", timeout=8.0)):
         assert left == 0 and records == ["w"], f"rank {r}: {left}, {records}"
         assert dropped <= 5, f"rank {r}: {dropped} records"
+
+
+async def test_mpi_close_does_not_wait_for_sends_to_a_rank_that_closed() -> None:
+    """Rank 0 sent rank 1 a message (8 MiB: it waits for its receiver) that rank 1 never
+    takes before it closes. Rank 0's close then returned only after its whole timeout (8 s,
+    'closing with 1 send(s) no rank received'); as on tcp, it returns at once: that send is
+    never going to be received."""
+    from mpi4py import MPI
+
+    comm = await asynccoll.init(backend="mpi", timeout=8.0)
+    await comm.barrier()
+    if comm.rank == 0:
+        await comm.send(np.ones(1 << 20), 1, tag=1)
+    await comm.barrier()
+    took = 0.0
+    if comm.rank == 0:
+        await asyncio.sleep(0.5)  # (the others closed)
+        t0 = time.monotonic()
+        await comm.close()
+        took = time.monotonic() - t0
+    else:
+        await comm.close()
+    every = MPI.COMM_WORLD.allgather(took)
+    assert every[0] < 2.0, f"rank 0's close took {every[0]:.1f} s"

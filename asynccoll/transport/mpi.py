@@ -95,6 +95,7 @@ from .mpi_world import (
     _MOVE_TYPES,
     SETTLE_RECEIVES,
     MpiWorld,
+    SendTo,
     _flat_bytes,
     _free,
     _from_header,
@@ -727,7 +728,7 @@ class MpiCommunicator(Communicator):
             raise err from exc
         self._world.bytes_sent += data.nbytes
         self._p2p_sent[dst] = self._p2p_sent.get(dst, 0) + 1
-        self._world.add_send(reqs, (head, data))
+        self._world.add_send(reqs, (SendTo(self._ranks[dst]), head, data))
 
     def _pump(self) -> None:
         """Read every header that arrived and post the receive of its payload (in arrival

@@ -178,6 +178,15 @@ def keep_pending(mpi: Any, items: list[tuple[list[Any], tuple[Any, ...]]], *,
     items.clear()
 
 
+class SendTo:
+    """The world rank a send in flight goes to (``MpiWorld.add_send``)."""
+
+    __slots__ = ("dst",)
+
+    def __init__(self, dst: int) -> None:
+        self.dst = dst
+
+
 class MpiWorld:
     """What a world communicator and its subgroups share.
 
@@ -326,7 +335,8 @@ class MpiWorld:
         mpi = self.mpi
         data = bytearray(msgpack.packb(notice, use_bin_type=True))
         try:
-            self.add_send([self.ctrl.Isend([data, mpi.BYTE], dst, _ABORT_TAG)], (data,))
+            self.add_send([self.ctrl.Isend([data, mpi.BYTE], dst, _ABORT_TAG)],
+                          (SendTo(dst), data))
         except mpi.Exception as exc:
             log.debug("could not tell world rank %d about a close: %s", dst, exc)
 
@@ -360,8 +370,15 @@ class MpiWorld:
     # -- sends that outlive their call ---------------------------------------------------
 
     def add_send(self, reqs: list[Any], keep: tuple[Any, ...]) -> None:
+        """A send still going out: ``keep`` (kept alive until it completed) starts with its
+        destination, a ``SendTo``, where it has one."""
         self.reap()
         self._sends.append((reqs, keep))
+
+    def _to_gone(self, send: tuple[list[Any], tuple[Any, ...]]) -> bool:
+        """Whether ``send`` (of ``add_send``) goes to a rank that closed or ended."""
+        keep = send[1]
+        return bool(keep) and isinstance(keep[0], SendTo) and keep[0].dst in self.gone
 
     def reap(self) -> None:
         """Forget the sends that completed."""
@@ -429,7 +446,10 @@ class MpiWorld:
 
         def sent() -> bool:
             self.reap()
-            return not self._sends
+            if self._sends and self.broken is None:
+                self._read_ctrl()  # (which ranks closed or ended since)
+            # a send to a rank that closed or ended is never going to be received
+            return self.broken is not None or all(self._to_gone(s) for s in self._sends)
 
         def nothing() -> None:
             return None
@@ -440,10 +460,11 @@ class MpiWorld:
             await poll(sent, deadline=deadline, check=nothing,
                        on_timeout=lambda: CollectiveTimeout("sends still in flight at close"))
         except CollectiveTimeout:
-            if self._sends and self.broken is None:
-                log.warning("closing with %d send(s) no rank received", len(self._sends))
-            self._abandoned.extend(self._sends)
-            self._sends.clear()
+            waited = [s for s in self._sends if not self._to_gone(s)]
+            if waited and self.broken is None:
+                log.warning("closing with %d send(s) no rank received", len(waited))
+        self._abandoned.extend(self._sends)
+        self._sends.clear()
         self._closed = True
         if self.broken is None:
             for mop in self._ops.values():
